@@ -1,0 +1,30 @@
+"""The torch-only YaFSDP engine: shard any model, train it with any torch loop.
+
+This package never imports lightning.
+
+Example::
+
+    engine = shard_model(model)                       # after init_process_group
+    optimizer = torch.optim.AdamW(engine.param_groups(weight_decay=0.1), lr=3e-4)
+    loss = model(batch).mean(); loss.backward()
+    engine.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+"""
+
+from lightning_yafsdp.core.collectives import CommStats
+from lightning_yafsdp.core.engine import ParamShard, YaFSDPEngine
+from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.policy import find_units, is_norm_module
+from lightning_yafsdp.core.sharding import get_engine, shard_model
+from lightning_yafsdp.core.streams import ScheduleEvent
+
+__all__ = [
+    "CommStats",
+    "FlatLayout",
+    "ParamShard",
+    "ScheduleEvent",
+    "YaFSDPEngine",
+    "find_units",
+    "get_engine",
+    "is_norm_module",
+    "shard_model",
+]

@@ -1,0 +1,95 @@
+"""Reusable buffers with an explicit owner.
+
+[Note: buffer ownership]
+All gathered weights and all full-size gradients live in buffers allocated
+once, when the model is sharded. Unit ``i`` uses weight buffer
+``i % num_weight_buffers`` and grad buffer ``i % 2``. ZeRO-3 has two weight
+buffers (odd and even units alternate, so memory is constant in depth);
+ZeRO-2 has one per unit (gathered weights stay from forward to backward).
+
+Each buffer records who holds it (``holder``), whether the holder is computing
+with it right now (``in_use``) and the collective in flight on it. A buffer is
+handed to a new holder only when the old holder is not computing (condition 2)
+and, for grads, after the old holder's reduce_scatter is complete (condition 3).
+The torch allocator never sees a per-layer allocation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from lightning_yafsdp.core.streams import PendingCollective
+
+
+class WeightBuffer:
+    """A flat buffer that gathered unit weights are written into.
+
+    Attributes:
+        index: position in the pool.
+        tensor: flat leaf tensor in the compute dtype. It requires grad only so
+            that the gate (``GateGradFlow``) enters the autograd graph; its
+            ``.grad`` is never populated.
+        holder: name of the unit whose weights it holds or is receiving.
+        version: the compute-shard version those weights were gathered from
+            (-1: contents invalid).
+        in_use: True while the holder's forward or backward runs.
+        gather: the all_gather writing it, until waited.
+        release_event: compute event after the holder's last use (CUDA).
+    """
+
+    def __init__(self, index: int, numel: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.index = index
+        self.tensor = torch.zeros(numel, dtype=dtype, device=device).requires_grad_(True)
+        self.holder: str | None = None
+        self.version = -1
+        self.in_use = False
+        self.gather: PendingCollective | None = None
+        self.release_event = None
+
+    def holds(self, unit: str, version: int) -> bool:
+        return self.holder == unit and self.version == version
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+
+class GradBuffer:
+    """A flat buffer that a unit's full-size gradients are written into.
+
+    Attributes:
+        index: position in the pool.
+        tensor: flat tensor in the reduce dtype (fp32 by default, so that the
+            reduce_scatter sums in fp32 without a separate staging copy).
+        reduced: this rank's reduced shard, written by the reduce_scatter.
+        holder: name of the unit whose grads it holds.
+        reduce: the reduce_scatter reading ``tensor``, until completed.
+        on_reduced: what to do with ``reduced`` once the collective is done.
+    """
+
+    def __init__(self, index: int, numel: int, shard_numel: int, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.index = index
+        self.tensor = torch.zeros(numel, dtype=dtype, device=device)
+        self.reduced = torch.zeros(shard_numel, dtype=dtype, device=device)
+        self.holder: str | None = None
+        self.in_use = False
+        self.reduce: PendingCollective | None = None
+        self.on_reduced = None
+        # Layout signature whose padding ranges are known to be zero here.
+        self.zero_padding_of: tuple | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return (self.tensor.numel() + self.reduced.numel()) * self.tensor.element_size()
+
+    def complete_reduce(self) -> None:
+        """Wait for the in-flight reduce_scatter (condition 3) and hand its result on."""
+        if self.reduce is None:
+            return
+        self.reduce.wait()
+        self.reduce = None
+        on_reduced, self.on_reduced = self.on_reduced, None
+        on_reduced(self.reduced)

@@ -1,0 +1,355 @@
+"""The root of a sharded model: iteration boundaries, optimizer hand-off, state access.
+
+``shard_model`` (``sharding.py``) builds a ``YaFSDPEngine``; units and
+resident groups call back into it. The engine answers every "which buffer /
+which group / which dtype" question so no other code does that arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed import ProcessGroup, ReduceOp
+
+from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
+from lightning_yafsdp.core.collectives import CommStats, all_gather_into, all_reduce_
+from lightning_yafsdp.core.flat_group import FlatParamGroup
+from lightning_yafsdp.core.grads import ShardGrads
+from lightning_yafsdp.core.layer import ShardedUnit, UnitState
+from lightning_yafsdp.core.resident import ResidentGroup
+from lightning_yafsdp.core.streams import CommScheduler, ScheduleEvent
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """The part of one original parameter that this rank owns.
+
+    Attributes:
+        name: original fully qualified parameter name.
+        shape: the full parameter's shape.
+        start: first owned element of the flattened parameter.
+        end: one past the last owned element.
+        tensor: 1-D view into the master shard holding those elements.
+    """
+
+    name: str
+    shape: torch.Size
+    start: int
+    end: int
+    tensor: torch.Tensor
+
+
+class YaFSDPEngine:
+    """Runtime state of one sharded model (see ``shard_model`` for the arguments)."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        *,
+        group: ProcessGroup,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        num_weight_buffers: int,
+        buffer_numel: int,
+        buffer_shard_numel: int,
+        cast_forward_inputs: bool,
+    ) -> None:
+        self.root = root
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.cast_forward_inputs = cast_forward_inputs
+        self.divide_factor = float(world_size)
+        self.scheduler = CommScheduler(device)
+        self.comm_stats = CommStats()
+        self.weight_buffers = [
+            WeightBuffer(i, buffer_numel, dtype=param_dtype, device=device) for i in range(num_weight_buffers)
+        ]
+        self.grad_buffers = [
+            GradBuffer(i, buffer_numel, buffer_shard_numel, dtype=reduce_dtype, device=device) for i in range(2)
+        ]
+        # Filled by shard_model.
+        self.units: list[ShardedUnit] = []
+        self.residents: list[ResidentGroup] = []
+        self.flat_shard: nn.Parameter | None = None
+        self.norm_shard: nn.Parameter | None = None
+        self.flat_compute: torch.Tensor | None = None
+        self.norm_compute: torch.Tensor | None = None
+        self.unit_grads: ShardGrads | None = None
+        self.norm_grads: ShardGrads | None = None
+        self._hooks: list = []
+        # Iteration state.
+        self.compute_version = 0
+        self.active_unit: ShardedUnit | None = None
+        self._weights_stale = True
+        self._seen_master_versions: tuple[int, ...] = ()
+        self._backward_started = False
+        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    # -- what the optimizer sees -------------------------------------------------
+
+    def master_parameters(self) -> list[nn.Parameter]:
+        """The master shard parameters: the fused unit shard, then the norm shard if any."""
+        return [p for p in (self.flat_shard, self.norm_shard) if p is not None]
+
+    def param_groups(self, *, weight_decay: float = 0.0) -> list[dict]:
+        """Optimizer param groups: units with ``weight_decay``, norms without.
+
+        Example: ``torch.optim.AdamW(engine.param_groups(weight_decay=0.1), lr=3e-4)``.
+        """
+        groups = [{"params": [self.flat_shard], "weight_decay": weight_decay}]
+        if self.norm_shard is not None:
+            groups.append({"params": [self.norm_shard], "weight_decay": 0.0})
+        return groups
+
+    def mark_weights_changed(self) -> None:
+        """Tell the engine the master shards were modified outside an optimizer step.
+
+        Optimizer steps are detected automatically (a global step hook); call
+        this after writing master shards by hand, e.g. through ``.data``.
+        """
+        self._weights_stale = True
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide each backward's summed grads by ``factor`` (default: world size)."""
+        if factor <= 0:
+            raise ValueError(f"gradient divide factor must be positive, got {factor}")
+        self.divide_factor = float(factor)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the global grad norm across all shards; returns the total norm (fp32).
+
+        Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded model with
+        one all_reduce of this rank's partial norm.
+        """
+        grads = [p.grad for p in self.master_parameters() if p.grad is not None]
+        norm_type = float(norm_type)
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if norm_type == math.inf:
+            for grad in grads:
+                local = torch.maximum(local, grad.detach().abs().max().float())
+            all_reduce_(local, self.group, op=ReduceOp.MAX, stats=self.comm_stats)
+            total = local
+        else:
+            for grad in grads:
+                local += torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) ** norm_type
+            all_reduce_(local, self.group, stats=self.comm_stats)
+            total = local ** (1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in grads:
+            grad.mul_(clip_coef.to(grad.dtype))
+        return total
+
+    @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]`` (local, exact)."""
+        for param in self.master_parameters():
+            if param.grad is not None:
+                param.grad.clamp_(-clip_value, clip_value)
+
+    # -- called by units and resident groups ---------------------------------------
+
+    def begin_forward(self) -> None:
+        """Before any sharded module runs: refresh stale compute shards, expose residents."""
+        if self._weights_stale or self._master_versions() != self._seen_master_versions:
+            self._refresh_compute_shards()
+        for group in self.residents:
+            group.ensure_views()
+
+    def prefetch_next(self, unit: ShardedUnit) -> None:
+        """Start gathering the unit after ``unit`` (module order) while ``unit`` computes."""
+        if unit.index + 1 < len(self.units):
+            self.units[unit.index + 1].prefetch()
+
+    def prefetch_previous(self, unit: ShardedUnit) -> None:
+        """In backward: start gathering the unit before ``unit`` if it awaits its backward."""
+        if unit.index > 0:
+            previous = self.units[unit.index - 1]
+            if previous.state is UnitState.FORWARD_DONE:
+                previous.prefetch()
+
+    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Cast floating inputs of a unit to the compute dtype (mixed precision)."""
+        if not self.cast_forward_inputs or self.flat_shard.dtype == self.param_dtype:
+            return args, kwargs
+
+        def cast(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+                return x.to(self.param_dtype)
+            return x
+
+        return pytree.tree_map(cast, (args, kwargs))
+
+    def enter_backward(self) -> None:
+        """First backward hook of a backward pass: prepare grads, queue the end-of-backward callback."""
+        if self._backward_started:
+            return
+        self._backward_started = True
+        for grads in self._all_grads():
+            grads.begin_backward()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _end_of_backward(self) -> None:
+        # Collectives below run in the same order on every rank.
+        for unit in self.units:
+            if unit.state is UnitState.BACKWARD:
+                unit.post_backward()
+        for buffer in self.grad_buffers:
+            buffer.complete_reduce()
+        for group in self.residents:
+            group.reduce_grads()
+        self.unit_grads.end_backward([g.grad_range for g in self.units] + self._root_ranges())
+        if self.norm_grads is not None:
+            self.norm_grads.end_backward([g.grad_range for g in self.residents if g.grads is self.norm_grads])
+        for unit in self.units:
+            unit.end_iteration()
+        self.active_unit = None
+        self._backward_started = False
+
+    def _root_ranges(self) -> list[tuple[int, int]]:
+        return [g.grad_range for g in self.residents if g.grads is self.unit_grads]
+
+    def _all_grads(self) -> list[ShardGrads]:
+        return [g for g in (self.unit_grads, self.norm_grads) if g is not None]
+
+    def _master_versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.master_parameters())
+
+    @torch.no_grad()
+    def _refresh_compute_shards(self) -> None:
+        for buffer in self.weight_buffers:
+            if buffer.gather is not None:  # a speculative prefetch still reads the old shard
+                buffer.gather.wait()
+                buffer.gather = None
+        for master, compute in ((self.flat_shard, self.flat_compute), (self.norm_shard, self.norm_compute)):
+            if master is not None and compute.data_ptr() != master.data_ptr():
+                compute.copy_(master)
+        self.compute_version += 1
+        self._weights_stale = False
+        self._seen_master_versions = self._master_versions()
+        self.scheduler.comm_waits_for_compute()
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        masters = {id(p) for p in self.master_parameters()}
+        for param_group in optimizer.param_groups:
+            if any(id(p) in masters for p in param_group["params"]):
+                self._weights_stale = True
+                return
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def groups(self) -> list[FlatParamGroup]:
+        """Every flat group: units in module order, then resident groups."""
+        return [*self.units, *self.residents]
+
+    def named_parameter_shards(self) -> Iterator[ParamShard]:
+        """This rank's part of every original parameter, by original name (first alias of tied ones)."""
+        for group in self.groups():
+            for index, span in enumerate(group.layout.spans):
+                piece = group.layout.shard_slice(index, self.rank)
+                if piece is None:
+                    continue
+                tensor = group.master_shard[piece.shard_offset : piece.shard_offset + piece.numel]
+                yield ParamShard(span.name, span.shape, piece.param_start, piece.param_end, tensor)
+
+    @contextlib.contextmanager
+    def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
+        """Materialize the full master-dtype weights as the modules' attributes.
+
+        For inspection or export outside forward. Every rank holds the whole
+        model for the duration. With ``writeback=True`` changes made to the
+        full tensors are copied back into this rank's shards on exit.
+        """
+        if self._backward_started or self.active_unit is not None:
+            raise RuntimeError("summon_full_params() cannot be used during forward or backward")
+        full_flats = [self._gather_full(group) for group in self.groups()]
+        try:
+            for group, flat in zip(self.groups(), full_flats, strict=True):
+                group.install_views(flat, differentiable=False)
+            yield
+        finally:
+            for group, flat in zip(self.groups(), full_flats, strict=True):
+                if writeback:
+                    start, end = group.layout.shard_range(self.rank)
+                    with torch.no_grad():
+                        group.master_shard.copy_(flat[start:end])
+                group.install_placeholders()
+            for group in self.residents:
+                group.forget_views()
+            if writeback:
+                self.mark_weights_changed()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Original-name state dict with full master-dtype weights (every rank gets all of it)."""
+        master_ids = {id(p) for p in self.master_parameters()}
+        state = {
+            name: tensor
+            for name, tensor in self.root.state_dict(keep_vars=True).items()
+            if id(tensor) not in master_ids
+        }
+        state = {k: v.detach() for k, v in state.items()}
+        for group in self.groups():
+            flat = self._gather_full(group)
+            for span, owners in zip(group.layout.spans, group.owners, strict=True):
+                value = flat[span.offset : span.end].view(span.shape)
+                for owner in owners:
+                    state[owner.name] = value
+        return state
+
+    def _gather_full(self, group: FlatParamGroup) -> torch.Tensor:
+        full = torch.empty(group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device)
+        all_gather_into(full, group.master_shard.detach(), self.group, async_op=False, stats=self.comm_stats)
+        return full
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds, by role (shards, grads, buffers)."""
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        masters = self.master_parameters()
+        computes = [self.flat_compute, self.norm_compute]
+        return {
+            "master_shards": sum(nbytes(p) for p in masters),
+            "compute_shards": sum(
+                nbytes(c) for c, m in zip(computes, (self.flat_shard, self.norm_shard), strict=True)
+                if c is not None and c.data_ptr() != m.data_ptr()
+            ),
+            "grad_shards": sum(nbytes(g.storage) for g in self._all_grads()),
+            "weight_buffers": sum(b.nbytes for b in self.weight_buffers),
+            "grad_buffers": sum(b.nbytes for b in self.grad_buffers),
+            "resident_buffers": sum(g.weight_buffer.nbytes + g.grad_buffer.nbytes for g in self.residents),
+        }
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[ScheduleEvent]]:
+        """Record every gather/reduce issue and wait and every compute boundary."""
+        log: list[ScheduleEvent] = []
+        self.scheduler.log = log
+        try:
+            yield log
+        finally:
+            self.scheduler.log = None
+
+    def close(self) -> None:
+        """Remove the engine's hooks (the model stays sharded)."""
+        self._optimizer_hook.remove()
+        for handle in self._hooks:
+            handle.remove()
+        for unit in self.units:
+            unit.remove_hooks()

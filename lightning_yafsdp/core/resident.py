@@ -1,0 +1,118 @@
+"""Resident groups: the norm group and the root remainder.
+
+[Note: resident groups]
+Some parameters are used at scattered moments of the step rather than inside
+one block: norm weights (in every block and after the last one) and the
+parameters outside all blocks (embeddings, output head; the root remainder).
+Each such group has a buffer of its own. Its weights are gathered ONCE after
+every optimizer step and stay resident; its grads accumulate in a full-size
+grad buffer during backward and are reduce-scattered ONCE, at the end of
+backward. For norms this is the YaFSDP article's fix for the "fir tree": no
+tiny per-layer collectives or copies. Norms get their own master parameter
+(a separate optimizer param group, usually without weight decay); the root
+remainder lives in the units' master parameter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
+from lightning_yafsdp.core.collectives import all_gather_into, reduce_scatter_into
+from lightning_yafsdp.core.flat_group import FlatParamGroup
+from lightning_yafsdp.core.grads import ShardGrads
+
+if TYPE_CHECKING:
+    from lightning_yafsdp.core.engine import YaFSDPEngine
+
+
+class ResidentGroup(FlatParamGroup):
+    """A flat group gathered once per optimizer step and reduced once per backward.
+
+    Args:
+        engine: the owning engine.
+        grads: the master-dtype gradient its reduced shard is added to.
+        **group_kwargs: see ``FlatParamGroup``.
+    """
+
+    def __init__(self, engine: YaFSDPEngine, *, grads: ShardGrads, **group_kwargs: Any) -> None:
+        super().__init__(**group_kwargs)
+        self.engine = engine
+        self.grads = grads
+        device = self.compute_shard.device
+        self.weight_buffer = WeightBuffer(-1, self.layout.padded_numel, dtype=engine.param_dtype, device=device)
+        self.grad_buffer = GradBuffer(
+            -1, self.layout.padded_numel, self.layout.shard_numel, dtype=engine.reduce_dtype, device=device
+        )
+        self._view_version = -1
+        self._views_differentiable = False
+        self._views_in_graph = False  # differentiable views handed out since the last backward
+
+    def ensure_views(self) -> None:
+        """Gather if the weights changed, and expose views fit for the current grad mode."""
+        engine = self.engine
+        version = engine.compute_version
+        buffer = self.weight_buffer
+        if not buffer.holds(self.name, version):
+            buffer.holder, buffer.version = self.name, version
+            pending = engine.scheduler.issue(
+                "gather",
+                unit=self.name,
+                slot=None,
+                launch=lambda async_op: all_gather_into(
+                    buffer.tensor, self.compute_shard, engine.group, async_op=async_op, stats=engine.comm_stats
+                ),
+                after=None,
+            )
+            pending.wait()
+        differentiable = torch.is_grad_enabled()
+        if self._view_version == version and (self._views_differentiable or not differentiable):
+            return  # differentiable views also serve no-grad forwards
+        self.install_views(buffer.tensor, differentiable=differentiable)
+        self._view_version = version
+        self._views_differentiable = differentiable
+        self._views_in_graph |= differentiable
+
+    def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
+        if not self.has_grad_target:
+            self.engine.enter_backward()
+            self.begin_grad_writes(self.grad_buffer)
+        super().accumulate_param_grad(index, grad)
+
+    def reduce_grads(self) -> None:
+        """End of backward: reduce-scatter this group's grads into its master grad.
+
+        Runs on every rank whenever the group's differentiable views took part
+        in the forward, even if no grad reached them here, so that all ranks
+        issue the same collectives in the same order.
+        """
+        if not self._views_in_graph:
+            return
+        engine = self.engine
+        if not self.has_grad_target:
+            self.begin_grad_writes(self.grad_buffer)
+        self.finish_grad_writes()
+        reduced = self.grad_buffer.reduced
+        pending = engine.scheduler.issue(
+            "reduce_scatter",
+            unit=self.name,
+            slot=None,
+            launch=lambda async_op: reduce_scatter_into(
+                reduced, self.grad_buffer.tensor, engine.group, async_op=async_op, stats=engine.comm_stats
+            ),
+            after=engine.scheduler.compute_marker(),
+        )
+        pending.wait()
+        start, end = self.grad_range
+        self.grads.add(start, end, reduced, engine.divide_factor)
+        # The graph that used the views is consumed; the next grad-mode forward re-creates them.
+        self._views_in_graph = False
+        self.install_placeholders()
+        self.forget_views()
+
+    def forget_views(self) -> None:
+        """The installed views are gone: the next forward installs fresh ones."""
+        self._view_version = -1
+        self._views_differentiable = False

@@ -1,0 +1,346 @@
+"""``shard_model``: turn a module's parameters into flat, sharded groups, in place.
+
+Reads as a script: validate, decide which group each parameter joins, build
+layouts, fill the master shards one group at a time (no rank ever holds more
+than one unflattened group beyond the model it was given), then rewire the
+module: original parameters out, master shard parameters in, hooks on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_yafsdp.core.collectives import CommStats, broadcast_
+from lightning_yafsdp.core.engine import YaFSDPEngine
+from lightning_yafsdp.core.flat_group import ParamOwner
+from lightning_yafsdp.core.grads import ShardGrads
+from lightning_yafsdp.core.layer import ShardedUnit
+from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
+from lightning_yafsdp.core.resident import ResidentGroup
+
+NORM_GROUP = "<norms>"
+ROOT_GROUP = "<root>"
+CheckpointSpec = None | str | Sequence[int] | Callable[[int, str], bool]
+
+
+@dataclass
+class _GroupSpec:
+    name: str
+    params: list[nn.Parameter] = field(default_factory=list)
+    owners: list[list[ParamOwner]] = field(default_factory=list)
+
+
+def shard_model(
+    module: nn.Module,
+    *,
+    process_group: ProcessGroup | None = None,
+    units: UnitsSpec = None,
+    norm_classes: NormSpec = None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype = torch.float32,
+    zero_stage: int = 3,
+    activation_checkpointing: CheckpointSpec = None,
+    sync_module_states: bool = False,
+    cast_forward_inputs: bool = True,
+) -> YaFSDPEngine:
+    """Shard ``module`` in place across ``process_group`` and return its engine.
+
+    After this call ``module.parameters()`` yields only the master shard
+    parameters: ``_yafsdp_flat_shard`` (all units and the root remainder, one
+    fused optimizer tensor) and ``_yafsdp_norm_shard`` (the norm group, if any).
+    Frozen parameters (``requires_grad=False``) are not sharded: they become
+    persistent buffers under their original names, replicated on every rank.
+
+    Args:
+        module: a materialized model, identical on every rank (or pass
+            ``sync_module_states=True`` to broadcast rank 0's weights).
+        process_group: ranks to shard across (default: the world group).
+        units: which submodules are sharded units (see ``policy.find_units``);
+            default: the repeated blocks, auto-detected.
+        norm_classes: which modules form the norm group (see
+            ``policy.is_norm_module``); default: LayerNorm/RMSNorm look-alikes.
+        param_dtype: compute dtype of gathered weights and buffers (default:
+            ``master_dtype``). ``torch.bfloat16`` for mixed precision.
+        reduce_dtype: dtype of grad buffers and of the reduce_scatter
+            (default fp32: grads sum in fp32).
+        master_dtype: dtype of the master shards the optimizer updates.
+        zero_stage: 3 (re-gather weights in backward; two weight buffers) or
+            2 (keep each unit's gathered weights from forward to backward; one
+            weight buffer per unit).
+        activation_checkpointing: None; "all"; unit indices; or a predicate
+            ``(index, name) -> bool`` selecting units whose forward runs under
+            non-reentrant activation checkpointing.
+        sync_module_states: broadcast each group from rank 0 before sharding.
+        cast_forward_inputs: cast floating unit inputs to ``param_dtype``.
+
+    Raises:
+        ValueError / RuntimeError: for input that cannot work, before any
+            collective is issued, with the fix in the message.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "shard_model needs torch.distributed: call torch.distributed.init_process_group() first "
+            "(a world of size 1 is fine)."
+        )
+    if zero_stage not in (2, 3):
+        raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
+    param_dtype = param_dtype or master_dtype
+    for label, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
+        if not dtype.is_floating_point:
+            raise ValueError(f"{label} must be a floating dtype, got {dtype}")
+    group = process_group or dist.group.WORLD
+    device = _single_device(module)
+    _check_backend(group, device)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+
+    unit_modules = find_units(module, units)
+    unit_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
+    if not any(spec.params for spec in (*unit_specs, norm_spec, root_spec)):
+        raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
+    empty = [spec.name for spec in unit_specs if not spec.params]
+    if empty:
+        raise ValueError(f"units {empty} have no trainable parameters to shard; leave them out of units=")
+
+    def layout_of(spec: _GroupSpec) -> FlatLayout:
+        return FlatLayout([o[0].name for o in spec.owners], [p.shape for p in spec.params], world_size)
+
+    unit_layouts = [layout_of(spec) for spec in unit_specs]
+    root_layout = layout_of(root_spec) if root_spec.params else None
+    norm_layout = layout_of(norm_spec) if norm_spec.params else None
+    flat_groups = [*zip(unit_specs, unit_layouts, strict=True)]
+    if root_layout is not None:
+        flat_groups.append((root_spec, root_layout))
+
+    # Master shards, filled one group at a time.
+    stats = CommStats()
+    fill = dict(rank=rank, group=group, sync=sync_module_states, stats=stats, device=device, dtype=master_dtype)
+    flat_shard = nn.Parameter(_build_master(flat_groups, **fill))
+    norm_shard = nn.Parameter(_build_master([(norm_spec, norm_layout)], **fill)) if norm_layout else None
+
+    engine = YaFSDPEngine(
+        module,
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        num_weight_buffers=2 if zero_stage == 3 else max(len(unit_specs), 1),
+        buffer_numel=max(layout.padded_numel for layout in unit_layouts),
+        buffer_shard_numel=max(layout.shard_numel for layout in unit_layouts),
+        cast_forward_inputs=cast_forward_inputs,
+    )
+    engine.zero_stage = zero_stage
+    engine.flat_shard, engine.norm_shard = flat_shard, norm_shard
+    engine.flat_compute = _compute_twin(flat_shard, param_dtype)
+    engine.norm_compute = _compute_twin(norm_shard, param_dtype) if norm_shard is not None else None
+    engine.unit_grads = ShardGrads(flat_shard)
+    engine.norm_grads = ShardGrads(norm_shard) if norm_shard is not None else None
+
+    offset = 0
+    for index, ((spec, layout), (_, unit_module)) in enumerate(zip(flat_groups, unit_modules, strict=False)):
+        engine.units.append(
+            ShardedUnit(engine, index, unit_module, **_group_kwargs(spec, layout, engine, "flat", offset))
+        )
+        offset += layout.shard_numel
+    if root_layout is not None:
+        kwargs = _group_kwargs(root_spec, root_layout, engine, "flat", offset)
+        engine.residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
+    if norm_layout is not None:
+        kwargs = _group_kwargs(norm_spec, norm_layout, engine, "norm", 0)
+        engine.residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
+
+    _rewire_module(module, engine, frozen)
+    _apply_activation_checkpointing(engine, activation_checkpointing)
+    engine.comm_stats.reset()
+    return engine
+
+
+def get_engine(module: nn.Module) -> YaFSDPEngine:
+    """The engine of a module sharded by ``shard_model``."""
+    engine = module.__dict__.get("_yafsdp_engine")
+    if engine is None:
+        raise ValueError(f"{type(module).__name__} is not sharded: call shard_model(module) first")
+    return engine
+
+
+# -- validation -------------------------------------------------------------------------
+
+
+def _single_device(module: nn.Module) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if not devices:
+        raise ValueError(f"{type(module).__name__} has no parameters to shard")
+    if len(devices) > 1:
+        where = defaultdict(list)
+        for name, p in module.named_parameters():
+            where[str(p.device)].append(name)
+        detail = "; ".join(f"{dev}: {names[:3]}" for dev, names in where.items())
+        raise ValueError(
+            f"parameters are on several devices ({detail}). Move the whole model to one device "
+            "(e.g. module.to(device)) before shard_model."
+        )
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError(
+            "parameters are on the meta device: materialize them (module.to_empty(device=...) and "
+            "initialize) before shard_model, or let the Lightning strategy do it in configure_model."
+        )
+    return device
+
+
+def _check_backend(group: ProcessGroup, device: torch.device) -> None:
+    backend = str(dist.get_backend(group)).lower()
+    needs = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
+    if needs is not None and needs not in backend:
+        raise ValueError(
+            f"the process group uses backend '{backend}' but the model is on {device.type}; "
+            f"{device.type} tensors need '{needs}'. Initialize the group with backend='{needs}' "
+            f"(or move the model to the device the backend serves)."
+        )
+
+
+# -- which parameter joins which group ----------------------------------------------
+
+
+def _assign_params(root, unit_modules, norm_classes):
+    unit_of_module: dict[int, int] = {}
+    for index, (_, unit_module) in enumerate(unit_modules):
+        for sub in unit_module.modules():
+            unit_of_module[id(sub)] = index
+    owners_of: dict[int, list[ParamOwner]] = defaultdict(list)
+    params: dict[int, nn.Parameter] = {}
+    for module_name, sub in root.named_modules(remove_duplicate=False):
+        for attr, param in sub._parameters.items():
+            if param is None:
+                continue
+            name = f"{module_name}.{attr}" if module_name else attr
+            owners_of[id(param)].append(ParamOwner(sub, attr, name))
+            params[id(param)] = param
+
+    unit_specs = [_GroupSpec(name) for name, _ in unit_modules]
+    norm_spec, root_spec = _GroupSpec(NORM_GROUP), _GroupSpec(ROOT_GROUP)
+    frozen: list[tuple[nn.Parameter, list[ParamOwner]]] = []
+    for key, owners in owners_of.items():
+        param = params[key]
+        if not param.requires_grad:
+            frozen.append((param, owners))
+            continue
+        homes = set()
+        for owner in owners:
+            if is_norm_module(owner.module, norm_classes):
+                homes.add(NORM_GROUP)
+            elif id(owner.module) in unit_of_module:
+                homes.add(unit_of_module[id(owner.module)])
+            else:
+                homes.add(ROOT_GROUP)
+        if len(homes) > 1:
+            names = [owner.name for owner in owners]
+            raise ValueError(
+                f"parameters {names} are one tied tensor used by different sharded groups "
+                f"({sorted(map(str, homes))}); a tied tensor must live in one group. Keep both users "
+                "outside the units (e.g. tied embedding and output head in the root) or untie them."
+            )
+        home = homes.pop()
+        spec = norm_spec if home == NORM_GROUP else root_spec if home == ROOT_GROUP else unit_specs[home]
+        spec.params.append(param)
+        spec.owners.append(owners)
+    return unit_specs, norm_spec, root_spec, frozen
+
+
+# -- master shards ----------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _build_master(groups, *, rank, group, sync, stats, device, dtype) -> torch.Tensor:
+    total = sum(layout.shard_numel for _, layout in groups)
+    master = torch.empty(total, dtype=dtype, device=device)
+    offset = 0
+    for spec, layout in groups:
+        flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+        for span, param in zip(layout.spans, spec.params, strict=True):
+            flat[span.offset : span.end].copy_(param.detach().reshape(-1))
+        if sync:
+            broadcast_(flat, group, src_rank=0, stats=stats)
+        start, end = layout.shard_range(rank)
+        master[offset : offset + layout.shard_numel].copy_(flat[start:end])
+        offset += layout.shard_numel
+    return master
+
+
+def _compute_twin(master: nn.Parameter, param_dtype: torch.dtype) -> torch.Tensor:
+    # [Note: compute shards] The all_gather source. When the compute dtype equals
+    # the master dtype it IS the master shard (no copy); otherwise a twin that is
+    # refreshed once after every optimizer step.
+    if master.dtype == param_dtype:
+        return master.detach()
+    return master.detach().to(param_dtype)
+
+
+def _group_kwargs(spec, layout, engine, which, offset) -> dict:
+    master = engine.flat_shard if which == "flat" else engine.norm_shard
+    compute = engine.flat_compute if which == "flat" else engine.norm_compute
+    end = offset + layout.shard_numel
+    return dict(
+        name=spec.name,
+        layout=layout,
+        owners=spec.owners,
+        master_shard=master.detach()[offset:end],
+        compute_shard=compute[offset:end],
+        grad_range=(offset, end),
+    )
+
+
+# -- rewiring the module ---------------------------------------------------------------------
+
+
+def _rewire_module(module: nn.Module, engine: YaFSDPEngine, frozen) -> None:
+    hooked: set[int] = set()
+    for group in engine.groups():
+        for owners in group.owners:
+            for owner in owners:
+                del owner.module._parameters[owner.attr]
+        group.install_placeholders()
+    for param, owners in frozen:
+        for owner in owners:
+            del owner.module._parameters[owner.attr]
+            owner.module.register_buffer(owner.attr, param.detach(), persistent=True)
+    module.register_parameter("_yafsdp_flat_shard", engine.flat_shard)
+    if engine.norm_shard is not None:
+        module.register_parameter("_yafsdp_norm_shard", engine.norm_shard)
+    # Any module that owns resident parameters (and the root) makes sure they
+    # are gathered and exposed before it runs, whoever calls it.
+    owner_modules = [module] + [o.module for g in engine.residents for os_ in g.owners for o in os_]
+    for owner_module in owner_modules:
+        if id(owner_module) in hooked:
+            continue
+        hooked.add(id(owner_module))
+        engine._hooks.append(owner_module.register_forward_pre_hook(lambda *_: engine.begin_forward()))
+    module.__dict__["_yafsdp_engine"] = engine
+
+
+def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) -> None:
+    if spec is None:
+        return
+    if spec == "all":
+        chosen = list(engine.units)
+    elif callable(spec):
+        chosen = [u for u in engine.units if spec(u.index, u.name)]
+    elif isinstance(spec, (list, tuple, range)):
+        bad = [i for i in spec if not 0 <= i < len(engine.units)]
+        if bad:
+            raise ValueError(f"activation_checkpointing indices {bad} out of range 0..{len(engine.units) - 1}")
+        chosen = [engine.units[i] for i in spec]
+    else:
+        raise ValueError(f"activation_checkpointing must be None, 'all', indices or a predicate; got {spec!r}")
+    for unit in chosen:
+        unit.enable_activation_checkpointing()
