@@ -43,10 +43,12 @@ class GateGradFlow(torch.autograd.Function):
 
 
 class Narrow(torch.autograd.Function):
-    """A parameter as a view of its place in a weight buffer; grads go to the owner's grad buffer."""
+    """A parameter as a view into a weight buffer; its grad goes to the owner's grad buffer."""
 
     @staticmethod
-    def forward(ctx: Any, buffer: torch.Tensor, owner: Any, index: int, offset: int, shape: torch.Size):
+    def forward(
+        ctx: Any, buffer: torch.Tensor, owner: Any, index: int, offset: int, shape: torch.Size
+    ):
         ctx.owner = owner
         ctx.index = index
         ctx.set_materialize_grads(False)

@@ -70,7 +70,9 @@ class GradBuffer:
         on_reduced: what to do with ``reduced`` once the collective is done.
     """
 
-    def __init__(self, index: int, numel: int, shard_numel: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, index: int, numel: int, shard_numel: int, *, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.index = index
         self.tensor = torch.zeros(numel, dtype=dtype, device=device)
         self.reduced = torch.zeros(shard_numel, dtype=dtype, device=device)

@@ -75,16 +75,22 @@ def reduce_scatter_into(
 ) -> dist.Work | None:
     """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``."""
     stats.add("reduce_scatter", full.numel() * full.element_size())
-    return dist.reduce_scatter_single(output.data, full, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return dist.reduce_scatter_single(
+        output.data, full, op=ReduceOp.SUM, group=group, async_op=async_op
+    )
 
 
-def all_reduce_(tensor: torch.Tensor, group: ProcessGroup, *, op: ReduceOp = ReduceOp.SUM, stats: CommStats) -> None:
+def all_reduce_(
+    tensor: torch.Tensor, group: ProcessGroup, *, op: ReduceOp = ReduceOp.SUM, stats: CommStats
+) -> None:
     """In-place blocking all_reduce (used for the global grad norm)."""
     stats.add("all_reduce", tensor.numel() * tensor.element_size())
     dist.all_reduce(tensor, op=op, group=group)
 
 
-def broadcast_(tensor: torch.Tensor, group: ProcessGroup, *, src_rank: int, stats: CommStats) -> None:
+def broadcast_(
+    tensor: torch.Tensor, group: ProcessGroup, *, src_rank: int, stats: CommStats
+) -> None:
     """In-place blocking broadcast from group rank ``src_rank``."""
     stats.add("broadcast", tensor.numel() * tensor.element_size())
     dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)

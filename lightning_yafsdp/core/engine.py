@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
 from lightning_yafsdp.core.collectives import CommStats, all_gather_into, all_reduce_
@@ -76,10 +76,12 @@ class YaFSDPEngine:
         self.scheduler = CommScheduler(device)
         self.comm_stats = CommStats()
         self.weight_buffers = [
-            WeightBuffer(i, buffer_numel, dtype=param_dtype, device=device) for i in range(num_weight_buffers)
+            WeightBuffer(i, buffer_numel, dtype=param_dtype, device=device)
+            for i in range(num_weight_buffers)
         ]
         self.grad_buffers = [
-            GradBuffer(i, buffer_numel, buffer_shard_numel, dtype=reduce_dtype, device=device) for i in range(2)
+            GradBuffer(i, buffer_numel, buffer_shard_numel, dtype=reduce_dtype, device=device)
+            for i in range(2)
         ]
         # Filled by shard_model.
         self.units: list[ShardedUnit] = []
@@ -146,7 +148,10 @@ class YaFSDPEngine:
             total = local
         else:
             for grad in grads:
-                local += torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32) ** norm_type
+                local += (
+                    torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32)
+                    ** norm_type
+                )
             all_reduce_(local, self.group, stats=self.comm_stats)
             total = local ** (1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -188,14 +193,18 @@ class YaFSDPEngine:
             return args, kwargs
 
         def cast(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.param_dtype:
+            if (
+                isinstance(x, torch.Tensor)
+                and x.is_floating_point()
+                and x.dtype != self.param_dtype
+            ):
                 return x.to(self.param_dtype)
             return x
 
         return pytree.tree_map(cast, (args, kwargs))
 
     def enter_backward(self) -> None:
-        """First backward hook of a backward pass: prepare grads, queue the end-of-backward callback."""
+        """First backward hook of a pass: prepare grads, queue the end-of-backward callback."""
         if self._backward_started:
             return
         self._backward_started = True
@@ -216,7 +225,9 @@ class YaFSDPEngine:
             group.reduce_grads()
         self.unit_grads.end_backward([g.grad_range for g in self.units] + self._root_ranges())
         if self.norm_grads is not None:
-            self.norm_grads.end_backward([g.grad_range for g in self.residents if g.grads is self.norm_grads])
+            self.norm_grads.end_backward(
+                [g.grad_range for g in self.residents if g.grads is self.norm_grads]
+            )
         for unit in self.units:
             unit.end_iteration()
         self.active_unit = None
@@ -237,7 +248,10 @@ class YaFSDPEngine:
             if buffer.gather is not None:  # a speculative prefetch still reads the old shard
                 buffer.gather.wait()
                 buffer.gather = None
-        for master, compute in ((self.flat_shard, self.flat_compute), (self.norm_shard, self.norm_compute)):
+        for master, compute in (
+            (self.flat_shard, self.flat_compute),
+            (self.norm_shard, self.norm_compute),
+        ):
             if master is not None and compute.data_ptr() != master.data_ptr():
                 compute.copy_(master)
         self.compute_version += 1
@@ -259,7 +273,7 @@ class YaFSDPEngine:
         return [*self.units, *self.residents]
 
     def named_parameter_shards(self) -> Iterator[ParamShard]:
-        """This rank's part of every original parameter, by original name (first alias of tied ones)."""
+        """This rank's part of every original parameter, by original name (first tied alias)."""
         for group in self.groups():
             for index, span in enumerate(group.layout.spans):
                 piece = group.layout.shard_slice(index, self.rank)
@@ -313,12 +327,17 @@ class YaFSDPEngine:
         return state
 
     def _gather_full(self, group: FlatParamGroup) -> torch.Tensor:
-        full = torch.empty(group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device)
-        all_gather_into(full, group.master_shard.detach(), self.group, async_op=False, stats=self.comm_stats)
+        full = torch.empty(
+            group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device
+        )
+        all_gather_into(
+            full, group.master_shard.detach(), self.group, async_op=False, stats=self.comm_stats
+        )
         return full
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by role (shards, grads, buffers)."""
+
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
@@ -327,13 +346,16 @@ class YaFSDPEngine:
         return {
             "master_shards": sum(nbytes(p) for p in masters),
             "compute_shards": sum(
-                nbytes(c) for c, m in zip(computes, (self.flat_shard, self.norm_shard), strict=True)
+                nbytes(c)
+                for c, m in zip(computes, (self.flat_shard, self.norm_shard), strict=True)
                 if c is not None and c.data_ptr() != m.data_ptr()
             ),
             "grad_shards": sum(nbytes(g.storage) for g in self._all_grads()),
             "weight_buffers": sum(b.nbytes for b in self.weight_buffers),
             "grad_buffers": sum(b.nbytes for b in self.grad_buffers),
-            "resident_buffers": sum(g.weight_buffer.nbytes + g.grad_buffer.nbytes for g in self.residents),
+            "resident_buffers": sum(
+                g.weight_buffer.nbytes + g.grad_buffer.nbytes for g in self.residents
+            ),
         }
 
     @contextlib.contextmanager

@@ -53,7 +53,9 @@ class ShardedUnit(FlatParamGroup):
         **group_kwargs: see ``FlatParamGroup``.
     """
 
-    def __init__(self, engine: YaFSDPEngine, index: int, module: nn.Module, **group_kwargs: Any) -> None:
+    def __init__(
+        self, engine: YaFSDPEngine, index: int, module: nn.Module, **group_kwargs: Any
+    ) -> None:
         super().__init__(**group_kwargs)
         self.engine = engine
         self.index = index
@@ -82,8 +84,9 @@ class ShardedUnit(FlatParamGroup):
         if not buffer.holds(self.name, self.engine.compute_version):
             if buffer.in_use:
                 raise RuntimeError(
-                    f"unit '{self.name}' is called while its weight buffer {buffer.index} is held by "
-                    f"'{buffer.holder}', whose forward/backward has not finished. Nested sharded units "
+                    f"unit '{self.name}' is called while its weight buffer {buffer.index} is "
+                    f"held by '{buffer.holder}', whose forward/backward has not finished. "
+                    "Nested sharded units "
                     "are not supported: list only the outer module in units=."
                 )
             self._issue_gather()
@@ -122,7 +125,8 @@ class ShardedUnit(FlatParamGroup):
         engine.begin_forward()
         if engine.active_unit is not None:
             raise RuntimeError(
-                f"unit '{self.name}' is called inside unit '{engine.active_unit.name}'. Nested sharded "
+                f"unit '{self.name}' is called inside unit '{engine.active_unit.name}'. "
+                "Nested sharded "
                 "units are not supported: list only the outer module in units=."
             )
         engine.active_unit = self
@@ -137,8 +141,12 @@ class ShardedUnit(FlatParamGroup):
             return args, kwargs
         self.state = UnitState.FORWARD
         flat, spec = pytree.tree_flatten((args, kwargs))
-        gated_positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        gated_buffer, *gated = GateGradFlow.apply(self, self.weight_buffer.tensor, *(flat[i] for i in gated_positions))
+        gated_positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        gated_buffer, *gated = GateGradFlow.apply(
+            self, self.weight_buffer.tensor, *(flat[i] for i in gated_positions)
+        )
         for position, tensor in zip(gated_positions, gated, strict=True):
             flat[position] = tensor
         self.install_views(gated_buffer, differentiable=True)
@@ -158,7 +166,9 @@ class ShardedUnit(FlatParamGroup):
             return output
         self.state = UnitState.FORWARD_DONE
         flat, spec = pytree.tree_flatten(output)
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
         if positions:
             gated = PreBackwardGate.apply(self, *(flat[i] for i in positions))
             for position, tensor in zip(positions, gated, strict=True):
@@ -176,8 +186,9 @@ class ShardedUnit(FlatParamGroup):
         grad_buffer = self.grad_buffer
         if grad_buffer.in_use:
             raise RuntimeError(
-                f"the backward of unit '{self.name}' starts while '{grad_buffer.holder}' still writes grad "
-                f"buffer {grad_buffer.index}: units interleave in backward, which two grad buffers cannot "
+                f"the backward of unit '{self.name}' starts while '{grad_buffer.holder}' "
+                f"still writes grad buffer {grad_buffer.index}: units interleave in backward, "
+                "which two grad buffers cannot "
                 "serve. Make units run one after another (no unit calling another)."
             )
         grad_buffer.complete_reduce()  # condition 3
@@ -210,7 +221,9 @@ class ShardedUnit(FlatParamGroup):
         full = grad_buffer.tensor[: self.layout.padded_numel]
         reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
-        grad_buffer.on_reduced = lambda result: engine.unit_grads.add(start, end, result, engine.divide_factor)
+        grad_buffer.on_reduced = lambda result: engine.unit_grads.add(
+            start, end, result, engine.divide_factor
+        )
         grad_buffer.reduce = engine.scheduler.issue(
             "reduce_scatter",
             unit=self.name,
@@ -247,7 +260,9 @@ class ShardedUnit(FlatParamGroup):
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(recompute_aware, *args, use_reentrant=False, **kwargs)
+            return torch.utils.checkpoint.checkpoint(
+                recompute_aware, *args, use_reentrant=False, **kwargs
+            )
 
         self.module.forward = checkpointed_forward
 
@@ -260,4 +275,3 @@ class ShardedUnit(FlatParamGroup):
         if self._original_forward is not None:
             self.module.forward = self._original_forward
             self._original_forward = None
-

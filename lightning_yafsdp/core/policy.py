@@ -112,7 +112,9 @@ def _matcher(root: nn.Module, units: UnitsSpec) -> UnitPredicate:
         raise TypeError("units= list must hold only module classes or only module names")
     if callable(units):
         return units
-    raise TypeError(f"units= must be None, a class, a list of classes or names, or a predicate; got {units!r}")
+    raise TypeError(
+        f"units= must be None, a class, a list of classes or names, or a predicate; got {units!r}"
+    )
 
 
 def _name_matcher(root: nn.Module, names: Sequence[str]) -> UnitPredicate:

@@ -42,9 +42,15 @@ class ResidentGroup(FlatParamGroup):
         self.engine = engine
         self.grads = grads
         device = self.compute_shard.device
-        self.weight_buffer = WeightBuffer(-1, self.layout.padded_numel, dtype=engine.param_dtype, device=device)
+        self.weight_buffer = WeightBuffer(
+            -1, self.layout.padded_numel, dtype=engine.param_dtype, device=device
+        )
         self.grad_buffer = GradBuffer(
-            -1, self.layout.padded_numel, self.layout.shard_numel, dtype=engine.reduce_dtype, device=device
+            -1,
+            self.layout.padded_numel,
+            self.layout.shard_numel,
+            dtype=engine.reduce_dtype,
+            device=device,
         )
         self._view_version = -1
         self._views_differentiable = False
@@ -62,7 +68,11 @@ class ResidentGroup(FlatParamGroup):
                 unit=self.name,
                 slot=None,
                 launch=lambda async_op: all_gather_into(
-                    buffer.tensor, self.compute_shard, engine.group, async_op=async_op, stats=engine.comm_stats
+                    buffer.tensor,
+                    self.compute_shard,
+                    engine.group,
+                    async_op=async_op,
+                    stats=engine.comm_stats,
                 ),
                 after=None,
             )
@@ -100,7 +110,11 @@ class ResidentGroup(FlatParamGroup):
             unit=self.name,
             slot=None,
             launch=lambda async_op: reduce_scatter_into(
-                reduced, self.grad_buffer.tensor, engine.group, async_op=async_op, stats=engine.comm_stats
+                reduced,
+                self.grad_buffer.tensor,
+                engine.group,
+                async_op=async_op,
+                stats=engine.comm_stats,
             ),
             after=engine.scheduler.compute_marker(),
         )

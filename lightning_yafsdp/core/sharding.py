@@ -51,6 +51,7 @@ def shard_model(
     activation_checkpointing: CheckpointSpec = None,
     sync_module_states: bool = False,
     cast_forward_inputs: bool = True,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> YaFSDPEngine:
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
@@ -81,6 +82,13 @@ def shard_model(
             non-reentrant activation checkpointing.
         sync_module_states: broadcast each group from rank 0 before sharding.
         cast_forward_inputs: cast floating unit inputs to ``param_dtype``.
+        param_init_fn: for a model built on the meta device: called on each
+            unit module (and on each other module owning parameters or
+            buffers) right after it is materialized on the target device and
+            right before it is flattened and sharded, so no rank ever holds
+            the whole unsharded model. Default: ``reset_parameters()`` of every
+            submodule that defines it. Ranks must initialize identically
+            (same seed) or pass ``sync_module_states=True``.
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -88,17 +96,26 @@ def shard_model(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
-            "shard_model needs torch.distributed: call torch.distributed.init_process_group() first "
+            "shard_model needs torch.distributed: call "
+            "torch.distributed.init_process_group() first "
             "(a world of size 1 is fine)."
         )
     if zero_stage not in (2, 3):
         raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
     param_dtype = param_dtype or master_dtype
-    for label, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype), ("master_dtype", master_dtype)):
+    for label, dtype in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("master_dtype", master_dtype),
+    ):
         if not dtype.is_floating_point:
             raise ValueError(f"{label} must be a floating dtype, got {dtype}")
     group = process_group or dist.group.WORLD
-    device = _single_device(module)
+    device = _single_device(module, allow_meta=True)
+    init_on = None
+    if device.type == "meta":
+        device = _default_device(group)
+        init_on = _Materializer(device, param_init_fn or _reset_parameters)
     _check_backend(group, device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
@@ -108,10 +125,14 @@ def shard_model(
         raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
     empty = [spec.name for spec in unit_specs if not spec.params]
     if empty:
-        raise ValueError(f"units {empty} have no trainable parameters to shard; leave them out of units=")
+        raise ValueError(
+            f"units {empty} have no trainable parameters to shard; leave them out of units="
+        )
 
     def layout_of(spec: _GroupSpec) -> FlatLayout:
-        return FlatLayout([o[0].name for o in spec.owners], [p.shape for p in spec.params], world_size)
+        return FlatLayout(
+            [o[0].name for o in spec.owners], [p.shape for p in spec.params], world_size
+        )
 
     unit_layouts = [layout_of(spec) for spec in unit_specs]
     root_layout = layout_of(root_spec) if root_spec.params else None
@@ -122,9 +143,21 @@ def shard_model(
 
     # Master shards, filled one group at a time.
     stats = CommStats()
-    fill = dict(rank=rank, group=group, sync=sync_module_states, stats=stats, device=device, dtype=master_dtype)
+    fill = dict(
+        rank=rank,
+        group=group,
+        sync=sync_module_states,
+        stats=stats,
+        device=device,
+        dtype=master_dtype,
+        init=init_on,
+    )
+    if init_on is not None:
+        init_on.assign_unit_modules(unit_specs, unit_modules)
     flat_shard = nn.Parameter(_build_master(flat_groups, **fill))
-    norm_shard = nn.Parameter(_build_master([(norm_spec, norm_layout)], **fill)) if norm_layout else None
+    norm_shard = (
+        nn.Parameter(_build_master([(norm_spec, norm_layout)], **fill)) if norm_layout else None
+    )
 
     engine = YaFSDPEngine(
         module,
@@ -147,9 +180,13 @@ def shard_model(
     engine.norm_grads = ShardGrads(norm_shard) if norm_shard is not None else None
 
     offset = 0
-    for index, ((spec, layout), (_, unit_module)) in enumerate(zip(flat_groups, unit_modules, strict=False)):
+    for index, ((spec, layout), (_, unit_module)) in enumerate(
+        zip(flat_groups, unit_modules, strict=False)
+    ):
         engine.units.append(
-            ShardedUnit(engine, index, unit_module, **_group_kwargs(spec, layout, engine, "flat", offset))
+            ShardedUnit(
+                engine, index, unit_module, **_group_kwargs(spec, layout, engine, "flat", offset)
+            )
         )
         offset += layout.shard_numel
     if root_layout is not None:
@@ -160,6 +197,8 @@ def shard_model(
         engine.residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
 
     _rewire_module(module, engine, frozen)
+    if init_on is not None:
+        init_on.materialize_rest(module)
     _apply_activation_checkpointing(engine, activation_checkpointing)
     engine.comm_stats.reset()
     return engine
@@ -176,7 +215,7 @@ def get_engine(module: nn.Module) -> YaFSDPEngine:
 # -- validation -------------------------------------------------------------------------
 
 
-def _single_device(module: nn.Module) -> torch.device:
+def _single_device(module: nn.Module, *, allow_meta: bool) -> torch.device:
     devices = {p.device for p in module.parameters()}
     if not devices:
         raise ValueError(f"{type(module).__name__} has no parameters to shard")
@@ -190,10 +229,11 @@ def _single_device(module: nn.Module) -> torch.device:
             "(e.g. module.to(device)) before shard_model."
         )
     device = devices.pop()
-    if device.type == "meta":
+    if device.type == "meta" and not allow_meta:
         raise ValueError(
             "parameters are on the meta device: materialize them (module.to_empty(device=...) and "
-            "initialize) before shard_model, or let the Lightning strategy do it in configure_model."
+            "initialize) before shard_model, or let the Lightning strategy do it in "
+            "configure_model."
         )
     return device
 
@@ -247,11 +287,18 @@ def _assign_params(root, unit_modules, norm_classes):
             names = [owner.name for owner in owners]
             raise ValueError(
                 f"parameters {names} are one tied tensor used by different sharded groups "
-                f"({sorted(map(str, homes))}); a tied tensor must live in one group. Keep both users "
+                f"({sorted(map(str, homes))}); a tied tensor must live in one group. "
+                "Keep both users "
                 "outside the units (e.g. tied embedding and output head in the root) or untie them."
             )
         home = homes.pop()
-        spec = norm_spec if home == NORM_GROUP else root_spec if home == ROOT_GROUP else unit_specs[home]
+        spec = (
+            norm_spec
+            if home == NORM_GROUP
+            else root_spec
+            if home == ROOT_GROUP
+            else unit_specs[home]
+        )
         spec.params.append(param)
         spec.owners.append(owners)
     return unit_specs, norm_spec, root_spec, frozen
@@ -261,11 +308,13 @@ def _assign_params(root, unit_modules, norm_classes):
 
 
 @torch.no_grad()
-def _build_master(groups, *, rank, group, sync, stats, device, dtype) -> torch.Tensor:
+def _build_master(groups, *, rank, group, sync, stats, device, dtype, init) -> torch.Tensor:
     total = sum(layout.shard_numel for _, layout in groups)
     master = torch.empty(total, dtype=dtype, device=device)
     offset = 0
     for spec, layout in groups:
+        if init is not None:
+            init.materialize(spec)
         flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         for span, param in zip(layout.spans, spec.params, strict=True):
             flat[span.offset : span.end].copy_(param.detach().reshape(-1))
@@ -274,7 +323,65 @@ def _build_master(groups, *, rank, group, sync, stats, device, dtype) -> torch.T
         start, end = layout.shard_range(rank)
         master[offset : offset + layout.shard_numel].copy_(flat[start:end])
         offset += layout.shard_numel
+        if init is not None:
+            init.release(spec)
     return master
+
+
+def _default_device(group: ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+class _Materializer:
+    """Materializes a meta-device model one group at a time (see ``param_init_fn``)."""
+
+    def __init__(self, device: torch.device, init_fn: Callable[[nn.Module], None]) -> None:
+        self.device = device
+        self.init_fn = init_fn
+        self._unit_module_of: dict[str, nn.Module] = {}
+
+    def assign_unit_modules(self, unit_specs, unit_modules) -> None:
+        for spec, (_, unit_module) in zip(unit_specs, unit_modules, strict=True):
+            self._unit_module_of[spec.name] = unit_module
+
+    def materialize(self, spec: _GroupSpec) -> None:
+        unit_module = self._unit_module_of.get(spec.name)
+        if unit_module is not None:
+            self._materialize_module(unit_module, recurse=True)
+        for owners in spec.owners:
+            for owner in owners:
+                self._materialize_module(owner.module, recurse=False)
+        # to_empty replaces Parameter objects; tied owners keep the first owner's value.
+        spec.params = [owners[0].module._parameters[owners[0].attr] for owners in spec.owners]
+
+    def release(self, spec: _GroupSpec) -> None:
+        # The group now lives in the master shard: drop its full-size tensors at once.
+        for param in spec.params:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def materialize_rest(self, root: nn.Module) -> None:
+        for sub in root.modules():
+            tensors = [*sub._parameters.values(), *sub._buffers.values()]
+            if any(t is not None and t.is_meta for t in tensors):
+                self._materialize_module(sub, recurse=False)
+
+    def _materialize_module(self, module: nn.Module, *, recurse: bool) -> None:
+        tensors = module.parameters(recurse) if recurse else module._parameters.values()
+        buffers = module.buffers(recurse) if recurse else module._buffers.values()
+        if not any(t is not None and t.is_meta for t in (*tensors, *buffers)):
+            return
+        module.to_empty(device=self.device, recurse=recurse)
+        self.init_fn(module)
 
 
 def _compute_twin(master: nn.Parameter, param_dtype: torch.dtype) -> torch.Tensor:
@@ -324,7 +431,9 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine, frozen) -> None:
         if id(owner_module) in hooked:
             continue
         hooked.add(id(owner_module))
-        engine._hooks.append(owner_module.register_forward_pre_hook(lambda *_: engine.begin_forward()))
+        engine._hooks.append(
+            owner_module.register_forward_pre_hook(lambda *_: engine.begin_forward())
+        )
     module.__dict__["_yafsdp_engine"] = engine
 
 
@@ -338,9 +447,13 @@ def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) 
     elif isinstance(spec, (list, tuple, range)):
         bad = [i for i in spec if not 0 <= i < len(engine.units)]
         if bad:
-            raise ValueError(f"activation_checkpointing indices {bad} out of range 0..{len(engine.units) - 1}")
+            raise ValueError(
+                f"activation_checkpointing indices {bad} out of range 0..{len(engine.units) - 1}"
+            )
         chosen = [engine.units[i] for i in spec]
     else:
-        raise ValueError(f"activation_checkpointing must be None, 'all', indices or a predicate; got {spec!r}")
+        raise ValueError(
+            f"activation_checkpointing must be None, 'all', indices or a predicate; got {spec!r}"
+        )
     for unit in chosen:
         unit.enable_activation_checkpointing()

@@ -60,7 +60,9 @@ class ScheduleEvent:
 class PendingCollective:
     """A collective in flight; ``wait()`` orders the compute stream after it."""
 
-    def __init__(self, scheduler: CommScheduler, event: ScheduleEvent, *, work=None, done_event=None) -> None:
+    def __init__(
+        self, scheduler: CommScheduler, event: ScheduleEvent, *, work=None, done_event=None
+    ) -> None:
         self._scheduler = scheduler
         self._event = event
         self._work = work

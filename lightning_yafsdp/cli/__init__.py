@@ -1,0 +1,1 @@
+"""The ``yafsdp`` command line."""

@@ -1,0 +1,137 @@
+"""The multi-rank harness (tests/distributed.py) behaves as its contract says."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import DistributedTimeoutError, RankFailedError, dist_run
+
+# --- functions run on the ranks (module level, so that they pickle) --------------------
+
+
+def _rank_and_env(tag):
+    return {
+        "tag": tag,
+        "rank": dist.get_rank(),
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "env": {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")},
+        "master_port": int(os.environ["MASTER_PORT"]),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _all_reduce_rank_plus_one():
+    t = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(t)
+    return t
+
+
+def _raise_on_rank_1():
+    if dist.get_rank() == 1:
+        raise ValueError("boom from the second rank")
+    # Rank 0 waits in a collective that rank 1 never joins; dist_run must not wait for
+    # the collective timeout to end it.
+    dist.barrier()
+    return "unreachable"
+
+
+def _hang_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def _exit_3_on_rank_1():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _large_result(numel):
+    return {f"w{i}": torch.full((numel,), float(dist.get_rank())) for i in range(4)}
+
+
+def _kwargs_echo(a, *, b):
+    return (a, b)
+
+
+# --- tests ------------------------------------------------------------------------------
+
+
+def test_results_come_back_indexed_by_rank_with_env_and_group_set():
+    results = dist_run(2, _rank_and_env, "x")
+
+    assert [r["rank"] for r in results] == [0, 1]
+    for rank, r in enumerate(results):
+        assert r["tag"] == "x"
+        assert r["world_size"] == 2
+        assert r["backend"] == "gloo"
+        assert r["env"] == {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+        }
+        assert r["threads"] == max(1, os.cpu_count() // 2)
+    assert results[0]["master_port"] == results[1]["master_port"] > 0
+
+
+def test_world_size_one_runs_fn_with_args_and_kwargs():
+    assert dist_run(1, _kwargs_echo, 1, b="two") == [(1, "two")]
+
+
+def test_all_reduce_sums_across_two_ranks():
+    results = dist_run(2, _all_reduce_rank_plus_one)
+
+    assert [t.item() for t in results] == [3.0, 3.0]
+
+
+def test_large_results_do_not_deadlock():
+    numel = 1 << 20  # 4 tensors x 4 MiB per rank, far beyond a pipe's buffer
+    results = dist_run(2, _large_result, numel, timeout_s=60)
+
+    for rank, tensors in enumerate(results):
+        assert sorted(tensors) == ["w0", "w1", "w2", "w3"]
+        assert all(t.shape == (numel,) and bool((t == rank).all()) for t in tensors.values())
+
+
+def test_exception_on_one_rank_raises_with_rank_and_traceback_and_stops_the_others():
+    start = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        dist_run(2, _raise_on_rank_1, timeout_s=60)
+    elapsed = time.monotonic() - start
+
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "ValueError: boom from the second rank" in message
+    assert "Traceback" in message and "_raise_on_rank_1" in message
+    assert elapsed < 30, f"rank 0 was left waiting in its barrier ({elapsed:.1f} s)"
+
+
+def test_hanging_rank_is_killed_and_named_at_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(DistributedTimeoutError) as info:
+        dist_run(2, _hang_on_rank_1, timeout_s=6)
+    elapsed = time.monotonic() - start
+
+    # Rank 0 waits in the barrier for rank 1, so it hangs too; rank 1 must be named.
+    assert "rank(s) [0, 1] of 2" in str(info.value) or "rank(s) [1] of 2" in str(info.value)
+    assert 6 <= elapsed < 6 + 8
+
+
+def test_rank_that_exits_without_reporting_is_reported_with_its_exit_code():
+    with pytest.raises(RankFailedError) as info:
+        dist_run(2, _exit_3_on_rank_1, timeout_s=60)
+
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "exited with code 3" in message
+
+
+def test_fn_that_cannot_be_pickled_is_refused_with_advice():
+    with pytest.raises(TypeError, match="module-level function"):
+        dist_run(1, lambda: None)
