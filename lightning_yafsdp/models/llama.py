@@ -295,6 +295,10 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
+    def reset_parameters(self) -> None:
+        """Alias of ``reset_tables``: the name meta-device initialisers look for."""
+        self.reset_tables()
+
     def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Return ``(cos, sin)`` for the first ``seq_len`` positions, cast to ``dtype``."""
         return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)
@@ -500,6 +504,24 @@ class Llama(nn.Module):
         self.norm.reset_parameters()
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, std=INIT_STD)
+
+    @torch.no_grad()
+    def init_submodule(self, module: nn.Module) -> None:
+        """Initialise one submodule exactly as ``init_weights`` would.
+
+        For sharded meta-device builds that materialise one piece at a time
+        (``shard_model(..., param_init_fn=model.init_submodule)``): called on a
+        block, the embeddings, the output head, a norm or the rotary tables.
+        """
+        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layers)
+        if isinstance(module, TransformerBlock):
+            module.init_weights(std=INIT_STD, residual_std=residual_std)
+        elif isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.reset_parameters()
+        elif isinstance(module, (nn.Embedding, nn.Linear)):
+            nn.init.normal_(module.weight, std=INIT_STD)
+        elif any(True for _ in module.parameters(recurse=False)):
+            raise ValueError(f"init_submodule does not know how to initialise {type(module).__name__}")
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Count parameters (elements), a tied matrix once; works on the meta device.
