@@ -117,8 +117,9 @@ class ShardedUnit(FlatParamGroup):
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if self.state is UnitState.BACKWARD:
-            # Activation checkpointing re-runs forward inside this unit's backward:
-            # the weights are gathered already; only the views are needed.
+            # Activation checkpointing re-runs forward (with hooks) inside this
+            # unit's backward: the weights are gathered already; fresh views
+            # that require grad make recomputation save what forward saved.
             self.install_views(self.weight_buffer.tensor, differentiable=True)
             return None
         engine = self.engine
@@ -153,9 +154,15 @@ class ShardedUnit(FlatParamGroup):
         return pytree.tree_unflatten(flat, spec)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        self.install_placeholders()
         if self.state is UnitState.BACKWARD:
             return output  # recomputation
+        if not self._grad_forward:
+            self.install_placeholders()
+        # [Note: views outlive forward] After a grad-enabled forward the views
+        # stay installed until the end of backward: activation checkpointing
+        # may re-run the module's forward without our hooks (Hugging Face calls
+        # ``layer.forward`` directly), and pre_backward has re-gathered the
+        # weights into the buffer those views read by then.
         engine = self.engine
         engine.active_unit = None
         buffer = self.weight_buffer
@@ -240,33 +247,24 @@ class ShardedUnit(FlatParamGroup):
     def enable_activation_checkpointing(self) -> None:
         """Run this unit's forward under non-reentrant ``torch.utils.checkpoint``.
 
-        The hooks stay outside the checkpointed region; recomputation (inside
-        this unit's backward, with the weights already gathered) re-creates
-        the parameter views itself.
+        The hooks stay outside the checkpointed region; recomputation runs
+        inside this unit's backward, with the weights already re-gathered into
+        the buffer the forward's views read (see [Note: views outlive forward]).
         """
         if self._original_forward is not None:
             return
         self._original_forward = inner = self.module.forward
 
-        def recompute_aware(*args: Any, **kwargs: Any) -> Any:
-            if self.state is not UnitState.BACKWARD:
-                return inner(*args, **kwargs)
-            self.install_views(self.weight_buffer.tensor, differentiable=True)
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.install_placeholders()
-
         def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(
-                recompute_aware, *args, use_reentrant=False, **kwargs
-            )
+            return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
         self.module.forward = checkpointed_forward
 
     def end_iteration(self) -> None:
+        if self.state is not UnitState.IDLE:
+            self.install_placeholders()
         self.state = UnitState.IDLE
 
     def remove_hooks(self) -> None:

@@ -116,7 +116,7 @@ def shard_model(
     if device.type == "meta":
         device = _default_device(group)
         init_on = _Materializer(device, param_init_fn or _reset_parameters)
-    _check_backend(group, device)
+    check_backend(str(dist.get_backend(group)), device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     unit_modules = find_units(module, units)
@@ -238,8 +238,9 @@ def _single_device(module: nn.Module, *, allow_meta: bool) -> torch.device:
     return device
 
 
-def _check_backend(group: ProcessGroup, device: torch.device) -> None:
-    backend = str(dist.get_backend(group)).lower()
+def check_backend(backend: str, device: torch.device) -> None:
+    """Raise if collectives of ``backend`` cannot serve tensors on ``device``."""
+    backend = backend.lower()
     needs = {"cpu": "gloo", "cuda": "nccl"}.get(device.type)
     if needs is not None and needs not in backend:
         raise ValueError(

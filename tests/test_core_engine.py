@@ -1,0 +1,208 @@
+"""Engine behaviour on real gloo ranks: schedule, traffic, memory, allocations, errors."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from lightning_yafsdp.core import ScheduleEvent
+from tests import core_probes
+from tests.distributed import dist_run
+from tests.schedule_check import four_condition_violations
+
+
+@functools.cache
+def probe(name: str, world_size: int = 2, **kwargs):
+    fn = getattr(core_probes, name)
+    items = tuple(sorted(kwargs.items()))
+    return dist_run(world_size, _call, fn, items, timeout_s=240)[0]
+
+
+def _call(fn, items):
+    return fn(**dict(items))
+
+
+# -- the four ordering conditions -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"activation_checkpointing": (0, 2)},
+        {"activation_checkpointing": "all"},
+        {"zero_stage": 2},
+    ],
+    ids=["zero3", "checkpoint-alternate", "checkpoint-all", "zero2"],
+)
+def test_recorded_schedule_meets_the_four_conditions(options) -> None:
+    recorded = probe("record_schedule", **options)
+    assert any(e.op == "backward_start" for e in recorded["log"]), "the step was recorded"
+    assert four_condition_violations(recorded["log"], recorded["slots"]) == []
+
+
+def test_next_units_gather_is_in_flight_while_the_current_unit_computes() -> None:
+    recorded = probe("record_schedule")
+    log, names = recorded["log"], recorded["unit_names"]
+    for current, following in zip(names, names[1:], strict=False):
+        start = log.index(ScheduleEvent("forward_start", current, recorded["slots"][current][0]))
+        end = log.index(ScheduleEvent("forward_end", current, recorded["slots"][current][0]))
+        issued = [i for i, e in enumerate(log) if e.op == "gather_issue" and e.unit == following]
+        assert any(start < i < end for i in issued), f"{following} not prefetched during {current}"
+
+
+def test_hf_gradient_checkpointing_matches_and_keeps_the_schedule() -> None:
+    results = probe("hf_gradient_checkpointing")
+    for plain, checkpointed in zip(results[False]["grads"], results[True]["grads"], strict=True):
+        torch.testing.assert_close(checkpointed, plain, rtol=1e-6, atol=1e-7)
+    recorded = results[True]
+    assert four_condition_violations(recorded["log"], recorded["slots"]) == []
+
+
+# The checker itself must catch each kind of violation.
+SLOTS = {"a": (0, 0), "b": (1, 1), "c": (0, 0)}
+
+
+def _events(*specs: str) -> list[ScheduleEvent]:
+    events = []
+    for spec in specs:
+        op, unit = spec.split(":")
+        slot = SLOTS[unit][1] if op.startswith("reduce_scatter") else SLOTS[unit][0]
+        events.append(ScheduleEvent(op, unit, slot))
+    return events
+
+
+@pytest.mark.parametrize(
+    ("condition", "log"),
+    [
+        ("condition 1", _events("gather_issue:a", "forward_start:a")),
+        (
+            "condition 2",
+            _events("gather_issue:a", "gather_wait:a", "forward_start:a", "gather_issue:c"),
+        ),
+        (
+            "condition 3",
+            _events(
+                "gather_issue:a",
+                "gather_wait:a",
+                "backward_start:a",
+                "backward_end:a",
+                "reduce_scatter_issue:a",
+                "gather_issue:c",
+                "gather_wait:c",
+                "backward_start:c",
+            ),
+        ),
+        (
+            "condition 4",
+            _events(
+                "gather_issue:a", "gather_wait:a", "backward_start:a", "reduce_scatter_issue:a"
+            ),
+        ),
+    ],
+)
+def test_schedule_checker_catches_each_violation(condition: str, log) -> None:
+    violations = four_condition_violations(log, SLOTS)
+    assert any(v.startswith(condition) for v in violations), violations
+
+
+# -- traffic, memory, allocations -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero_stage", [3, 2])
+def test_collectives_per_step_match_the_design(zero_stage: int) -> None:
+    result = probe("traffic_memory_and_allocations", zero_stage=zero_stage)
+    calls = result["traffic"]["calls"]
+    units, residents = core_probes.N_LAYERS, len(result["residents"])
+    # Forward gathers every unit once. ZeRO-3 re-gathers in backward all but the
+    # last two units, which still hold their buffers when backward starts.
+    backward_gathers = units - 2 if zero_stage == 3 else 0
+    assert calls["all_gather"] == units + backward_gathers + residents
+    # One reduce_scatter per unit, one per resident group (norms, root) at the end.
+    assert calls["reduce_scatter"] == units + residents
+    assert set(calls) == {"all_gather", "reduce_scatter"}
+
+
+def test_buffer_bytes_equal_the_formula() -> None:
+    result = probe("traffic_memory_and_allocations")
+    memory, fp32 = result["memory"], 4
+    largest, largest_shard = max(result["unit_padded"]), max(result["unit_shards"])
+    assert memory["weight_buffers"] == 2 * largest * fp32
+    assert memory["grad_buffers"] == 2 * (largest + largest_shard) * fp32
+    assert memory["resident_buffers"] == sum(
+        (2 * padded + shard) * fp32 for _, padded, shard in result["residents"]
+    )
+    shards = sum(result["unit_shards"]) + sum(shard for _, _, shard in result["residents"])
+    assert memory["master_shards"] == shards * fp32
+    assert memory["compute_shards"] == 0  # fp32 compute gathers straight from the master
+
+
+def test_zero2_keeps_one_weight_buffer_per_unit() -> None:
+    result = probe("traffic_memory_and_allocations", zero_stage=2)
+    assert (
+        result["memory"]["weight_buffers"] == core_probes.N_LAYERS * max(result["unit_padded"]) * 4
+    )
+
+
+def test_steady_state_allocates_no_unit_sized_tensor() -> None:
+    result = probe("traffic_memory_and_allocations")
+    assert result["smallest_unit"] > 40_000  # the probe model is big enough to tell
+    assert result["large_allocations"] == []
+
+
+def test_module_parameters_are_only_the_master_shards() -> None:
+    result = probe("traffic_memory_and_allocations")
+    assert result["param_names"] == ["_yafsdp_flat_shard", "_yafsdp_norm_shard"]
+
+
+# -- full weights, shards by original name ---------------------------------------------------
+
+
+def test_summon_full_params_and_named_shards() -> None:
+    result = probe("summon_and_shards")
+    assert result["inside_equal"]
+    assert torch.equal(result["after_writeback"], torch.full_like(result["after_writeback"], 2.0))
+    assert result["placeholder_numel"] == 0, "outside forward parameters are not materialized"
+    assert result["logits_finite"]
+    shards, shapes = result["shards"], result["shapes"]
+    # Rank 0 owns the first half of each unit's flat tensor: a prefix of its first params.
+    first = shards["layers.0.attention.wq.weight"]
+    assert first[0] == 0 and first[1] - first[0] == first[2]
+    assert all(name in shapes for name in shards)
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("nested", "called inside unit 'layers.0'"),
+        ("tied_across_units", "one tied tensor used by different sharded groups"),
+        ("no_trainable", "no trainable parameters"),
+        ("mixed_devices", "several devices"),
+        ("no_blocks", "could not auto-detect the repeated blocks"),
+        ("bad_units_class", "matched no submodule"),
+        ("bad_zero_stage", "zero_stage must be 2 or 3"),
+    ],
+)
+def test_bad_input_gets_a_clear_error(case: str, expected: str) -> None:
+    message = probe("error_messages", world_size=1)[case]
+    assert expected in message, message
+
+
+def test_tied_error_names_both_parameters() -> None:
+    message = probe("error_messages", world_size=1)["tied_across_units"]
+    assert "layers.1.weight" in message and "head.weight" in message
+
+
+def test_wrong_backend_for_the_device_is_rejected() -> None:
+    from lightning_yafsdp.core.sharding import check_backend
+
+    with pytest.raises(ValueError, match="need 'nccl'"):
+        check_backend("gloo", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="need 'gloo'"):
+        check_backend("nccl", torch.device("cpu"))
+    check_backend("cpu:gloo,cuda:nccl", torch.device("cpu"))
