@@ -160,7 +160,7 @@ class _TiedAcrossUnits(nn.Module):
 
 
 def error_messages() -> dict[str, str]:
-    """Each bad input's error message (world size 1 is enough: all are raised before collectives)."""
+    """Each bad input's error message (world size 1 suffices: all raise before collectives)."""
     messages = {}
 
     def capture(key, fn):
@@ -190,12 +190,10 @@ def error_messages() -> dict[str, str]:
 
 
 def hf_gradient_checkpointing() -> dict:
-    """HF's own gradient checkpointing (hooks run inside the checkpointed call) gives the same grads."""
+    """HF's own gradient checkpointing (it re-runs ``layer.forward`` without hooks): same grads."""
     import transformers
 
-    from tests.core_scenarios import build_model
-
-    from tests.core_scenarios import SCENARIOS
+    from tests.core_scenarios import SCENARIOS, build_model
 
     results = {}
     for checkpointing in (False, True):
