@@ -190,8 +190,15 @@ def test_small_presets_have_their_advertised_sizes():
         debug = Llama(LlamaConfig.from_name("debug-50m"))
     assert 100_000 < tiny.num_parameters() < 1_000_000
     assert debug.num_parameters() == pytest.approx(50e6, rel=0.05)
-    assert set(LLAMA_CONFIGS) >= {"tiny", "debug-50m", "llama-1b", "llama3-8b", "llama2-7b",
-                                  "llama2-70b", "llama3-70b"}
+    assert set(LLAMA_CONFIGS) >= {
+        "tiny",
+        "debug-50m",
+        "llama-1b",
+        "llama3-8b",
+        "llama2-7b",
+        "llama2-70b",
+        "llama3-70b",
+    }
 
 
 def test_ffn_rounding_rule_reproduces_published_widths():

@@ -115,8 +115,15 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
-                     "ffn_hidden_dim", "max_seq_len"):
+        for name in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_hidden_dim",
+            "max_seq_len",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
@@ -178,22 +185,68 @@ class LlamaConfig:
 # the "llama3" rope scaling, which this model does not implement.
 LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
     # ~230K parameters: fast enough for every CPU test.
-    "tiny": dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, n_kv_heads=2,
-                 ffn_hidden_dim=192, max_seq_len=128),
+    "tiny": dict(
+        vocab_size=256,
+        dim=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden_dim=192,
+        max_seq_len=128,
+    ),
     # ~50M parameters with byte-level vocab: a quick real-GPU smoke run.
-    "debug-50m": dict(vocab_size=256, dim=512, n_layers=16, n_heads=8, n_kv_heads=4,
-                      ffn_hidden_dim=1536, max_seq_len=2048),
-    "llama-1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                     ffn_hidden_dim=8192, max_seq_len=8192, rope_theta=500000.0,
-                     tie_embeddings=True),
-    "llama3-8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                      ffn_hidden_dim=14336, max_seq_len=8192, rope_theta=500000.0),
-    "llama2-7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32,
-                      ffn_hidden_dim=11008, max_seq_len=4096),
-    "llama2-70b": dict(vocab_size=32000, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                       ffn_hidden_dim=28672, max_seq_len=4096),
-    "llama3-70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                       ffn_hidden_dim=28672, max_seq_len=8192, rope_theta=500000.0),
+    "debug-50m": dict(
+        vocab_size=256,
+        dim=512,
+        n_layers=16,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden_dim=1536,
+        max_seq_len=2048,
+    ),
+    "llama-1b": dict(
+        vocab_size=128256,
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden_dim=8192,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+        tie_embeddings=True,
+    ),
+    "llama3-8b": dict(
+        vocab_size=128256,
+        dim=4096,
+        n_layers=32,
+        n_heads=32,
+        n_kv_heads=8,
+        ffn_hidden_dim=14336,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
+    "llama2-7b": dict(
+        vocab_size=32000, dim=4096, n_layers=32, n_heads=32, ffn_hidden_dim=11008, max_seq_len=4096
+    ),
+    "llama2-70b": dict(
+        vocab_size=32000,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden_dim=28672,
+        max_seq_len=4096,
+    ),
+    "llama3-70b": dict(
+        vocab_size=128256,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_hidden_dim=28672,
+        max_seq_len=8192,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -242,9 +295,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-second, first), dim=-1)
 
 
-def apply_rotary_embedding(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> torch.Tensor:
+def apply_rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate queries or keys by their position (rotate_half layout).
 
     Args:
@@ -336,7 +387,9 @@ class Attention(nn.Module):
         # no manual upcast is needed. enable_gqa lets query head h read key/value head
         # h // (n_heads / n_kv_heads) without materialising repeated K/V copies.
         out = F.scaled_dot_product_attention(
-            q, k, v,
+            q,
+            k,
+            v,
             is_causal=True,
             dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_heads != self.n_heads,
@@ -521,7 +574,9 @@ class Llama(nn.Module):
         elif isinstance(module, (nn.Embedding, nn.Linear)):
             nn.init.normal_(module.weight, std=INIT_STD)
         elif any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(f"init_submodule does not know how to initialise {type(module).__name__}")
+            raise ValueError(
+                f"init_submodule does not know how to initialise {type(module).__name__}"
+            )
 
     def num_parameters(self, *, exclude_embeddings: bool = False) -> int:
         """Count parameters (elements), a tied matrix once; works on the meta device.
@@ -572,8 +627,7 @@ def hf_llama_config(config: LlamaConfig) -> transformers.LlamaConfig:
 
     rope_kwargs: dict[str, Any]
     if int(transformers.__version__.split(".")[0]) >= 5:
-        rope_kwargs = {"rope_parameters": {"rope_type": "default",
-                                           "rope_theta": config.rope_theta}}
+        rope_kwargs = {"rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta}}
     else:
         rope_kwargs = {"rope_theta": config.rope_theta}
     return transformers.LlamaConfig(
