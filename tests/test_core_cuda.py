@@ -30,7 +30,7 @@ def _train_on_cuda(steps: int) -> dict:
         optimizer = torch.optim.AdamW(engine.master_parameters(), lr=3e-3)
         generator = torch.Generator().manual_seed(5)
         losses = []
-        for step in range(steps):
+        for _ in range(steps):
             tokens = torch.randint(0, 256, (4, 32), generator=generator).cuda()
             with engine.recording() as log:
                 logits = model(tokens)
