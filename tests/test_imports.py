@@ -62,3 +62,18 @@ def test_version_is_the_one_in_pyproject():
 
     assert declared is not None
     assert lightning_yafsdp.__version__ == declared.group(1)
+
+
+def test_strategy_is_registered_whichever_is_imported_first():
+    for order in ("import lightning_yafsdp, lightning", "import lightning, lightning_yafsdp"):
+        probe = (
+            f"{order}\n"
+            "from lightning.pytorch.strategies import StrategyRegistry\n"
+            "import lightning_yafsdp\n"
+            "assert 'yafsdp' in StrategyRegistry\n"
+            "t = lightning.Trainer(strategy='yafsdp', accelerator='cpu', devices=1, logger=False)\n"
+            "print(type(t.strategy).__name__)\n"
+        )
+        proc = _run_python("-c", probe)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.strip().splitlines()[-1] == "YaFSDPStrategy", order

@@ -1,0 +1,482 @@
+"""YaFSDPStrategy: YaFSDP sharding behind Lightning's Trainer.
+
+``Trainer(strategy="yafsdp")`` behaves like ``strategy="ddp"`` (same launcher, cluster
+environments, samplers, logging and gradient semantics) except that the parameters,
+gradients and optimizer state are sharded across the ranks by
+:func:`lightning_yafsdp.core.shard_model`. The story of a run, in the order the
+Trainer calls the hooks below:
+
+1. ``__init__``: the sharding options; ``precision=`` arrives through the
+   ``precision_plugin`` setter and becomes a :class:`YaFSDPPrecision`.
+2. ``_configure_launcher`` / ``set_world_ranks``: processes and ranks, as DDP does.
+3. ``setup_environment``: the process group (gloo on CPU, nccl on CUDA).
+4. ``configure_model`` runs inside ``tensor_init_context``: on the meta device, so
+   modules built there cost no memory.
+5. ``setup``: the LightningModule is sharded in place (meta modules are materialized,
+   initialized and sharded one unit at a time); then the optimizers are built, so
+   ``self.parameters()`` in ``configure_optimizers`` yields the master shards.
+6. Training: the engine's hooks gather and reduce; the precision plugin clips through
+   the engine; Lightning's own accumulation and ``zero_grad`` need nothing extra.
+
+Checkpoints are not implemented yet (sharded save/load is planned): saving raises with
+what to do instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_yafsdp.core import YaFSDPEngine, shard_model
+from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
+from lightning_yafsdp.precision import YaFSDPPrecision
+from lightning_yafsdp.summary import use_sharded_summaries
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.pytorch.accelerators import Accelerator
+
+    from lightning_yafsdp.core.sharding import CheckpointSpec
+
+# Arguments of other Lightning strategies that users bring along when migrating,
+# and what to write instead (see docs/migration.md).
+_MIGRATION_HINTS = {
+    "auto_wrap_policy": "units= (a block class, a list of module names or a predicate)",
+    "sharding_strategy": "zero_stage=3 (FULL_SHARD) or zero_stage=2 (SHARD_GRAD_OP)",
+    "mixed_precision": "the Trainer's precision= flag ('bf16-mixed' or 'bf16-true')",
+    "activation_checkpointing_policy": "activation_checkpointing= ('all', unit indices, a "
+    "block class or a predicate (index, name) -> bool)",
+    "device_mesh": "nothing: one flat data-parallel group (no hybrid sharding yet)",
+    "cpu_offload": "nothing: CPU offload is not supported; try precision='bf16-true'",
+    "state_dict_type": "nothing yet: sharded checkpoints are not implemented",
+    "data_parallel_size": "nothing: every rank is a data-parallel rank",
+    "tensor_parallel_size": "nothing: tensor parallelism is not supported",
+}
+
+
+class YaFSDPStrategy(ParallelStrategy):
+    """Fully sharded data parallel training with YaFSDP's flat, pre-allocated buffers.
+
+    Args:
+        units: Which submodules are sharded units (gathered and freed one at a time).
+            ``None`` (default) auto-detects the repeated blocks, e.g. ``model.layers[*]``;
+            otherwise a block class, a list of classes, a list of module names, or a
+            predicate ``(name, module) -> bool``. Everything else (embeddings, head) is
+            one more group, gathered once per step.
+        norm_classes: Modules whose parameters form the resident norm group (kept
+            gathered during the step, no weight decay with :meth:`param_groups`).
+            ``None`` (default): LayerNorm/RMSNorm/GroupNorm and classes whose name ends
+            in ``RMSNorm``/``LayerNorm``; ``()`` disables the norm group.
+        zero_stage: 3 (default: weights re-gathered in backward) or 2 (each unit keeps
+            its gathered weights from forward to backward: more memory, a third less
+            communication).
+        reduce_dtype: dtype of gradient buffers and of the reduce-scatter. Default fp32.
+        activation_checkpointing: ``None`` (default), ``"all"``, a list of unit indices,
+            a predicate ``(index, name) -> bool``, or (as in FSDPStrategy) a block class
+            or list of classes: those units recompute their forward in backward.
+        param_init_fn: Initializes a module materialized from the meta device, called
+            once per unit and per other module owning parameters or buffers, just
+            before it is sharded. Default: the LightningModule's ``init_submodule(module)``
+            method if it has one, else ``reset_parameters()`` of every submodule.
+        sync_module_states: Broadcast rank 0's weights before sharding (for models whose
+            initialization is not identical on every rank). Default False.
+        cast_forward_inputs: Cast floating inputs of units to the compute dtype.
+            Default True.
+        timeout: Collective timeout of the process group: if a rank dies, the others
+            raise after at most this long instead of hanging. Default 30 minutes.
+        process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+
+    Raises:
+        TypeError: for an argument this strategy does not take (with the replacement
+            when it is an FSDPStrategy / ModelParallelStrategy argument).
+    """
+
+    strategy_name = "yafsdp"
+
+    def __init__(
+        self,
+        *,
+        units: UnitsSpec = None,
+        norm_classes: NormSpec = None,
+        zero_stage: int = 3,
+        reduce_dtype: torch.dtype = torch.float32,
+        activation_checkpointing: CheckpointSpec = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        sync_module_states: bool = False,
+        cast_forward_inputs: bool = True,
+        timeout: timedelta | None = default_pg_timeout,
+        process_group_backend: str | None = None,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise TypeError(_unknown_arguments_message(unknown))
+        if zero_stage not in (2, 3):
+            raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self._units = units
+        self._norm_classes = norm_classes
+        self._zero_stage = zero_stage
+        self._reduce_dtype = reduce_dtype
+        self._activation_checkpointing = activation_checkpointing
+        self._param_init_fn = param_init_fn
+        self._sync_module_states = sync_module_states
+        self._cast_forward_inputs = cast_forward_inputs
+        self._timeout = timeout
+        self._process_group_backend = process_group_backend
+        self._engine: YaFSDPEngine | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Registers ``"yafsdp"``; a second call (re-import, reload) is a no-op."""
+        if cls.strategy_name in strategy_registry:
+            return
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="YaFSDP fully sharded data parallel (lightning_yafsdp)",
+        )
+
+    # -- what the Trainer asks before anything runs ---------------------------------
+
+    @property
+    def engine(self) -> YaFSDPEngine:
+        """The engine of the sharded LightningModule (after ``setup``)."""
+        if self._engine is None:
+            raise RuntimeError("the model is not sharded yet: the engine exists after setup()")
+        return self._engine
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning treats a custom ParallelStrategy as distributed only if it says so:
+        # that turns on the DistributedSampler and sync_dist.
+        return True
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    @override
+    def precision_plugin(self) -> YaFSDPPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else YaFSDPPrecision("32-true")
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = _to_yafsdp_precision(plugin)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # The getter, not the setter: some cluster environments ignore set_global_rank.
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- process group, model, optimizers ---------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or (
+            _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=device_id,
+        )
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        # [Note: meta-device configure_model] Modules built in configure_model (or under
+        # trainer.init_module()) land on the meta device and cost nothing; setup()
+        # materializes, initializes and shards them one unit at a time, so no rank ever
+        # holds the whole model. empty_init=False builds real tensors instead (e.g. to
+        # load pretrained weights in configure_model).
+        device = torch.device("meta") if empty_init is not False else nullcontext()
+        with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _reject_full_checkpoints(trainer)
+        self._engine = self._shard(self.lightning_module)
+        self.precision_plugin.connect_engine(self._engine)
+        use_sharded_summaries(trainer)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard(self, module: pl.LightningModule) -> YaFSDPEngine:
+        existing = module.__dict__.get("_yafsdp_engine")
+        if existing is not None:
+            _check_still_sharded(module, existing)
+            return existing
+        _check_single_device(module)
+        if not _has_meta_parameters(module):
+            # An already-built model: each rank holds it whole until it is sharded.
+            module.to(self.root_device)
+        plugin = self.precision_plugin
+        return shard_model(
+            module,
+            units=self._units,
+            norm_classes=self._norm_classes,
+            param_dtype=plugin.param_dtype,
+            reduce_dtype=self._reduce_dtype,
+            master_dtype=plugin.master_dtype,
+            zero_stage=self._zero_stage,
+            activation_checkpointing=_checkpoint_spec(module, self._activation_checkpointing),
+            sync_module_states=self._sync_module_states,
+            cast_forward_inputs=self._cast_forward_inputs,
+            param_init_fn=self._param_init_fn or getattr(module, "init_submodule", None),
+        )
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # fit -> validate -> fit again: optimizers from an earlier stage hold stale state.
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        # Sharding places every tensor (setup); moving the sharded module is never needed.
+        pass
+
+    # -- collectives ----------------------------------------------------------------------
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        wrapped = [obj]
+        torch.distributed.broadcast_object_list(wrapped, src, group=_group.WORLD)
+        return wrapped[0]
+
+    @override
+    def reduce(
+        self,
+        tensor: Tensor | Any,
+        group: Any | None = None,
+        reduce_op: ReduceOp | str | None = "mean",
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- checkpoints (not yet) --------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(_CHECKPOINT_MESSAGE)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        raise NotImplementedError(_CHECKPOINT_MESSAGE)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        raise NotImplementedError(_CHECKPOINT_MESSAGE)
+
+    # -- the end ---------------------------------------------------------------------------
+
+    @override
+    def teardown(self) -> None:
+        # Unlike the base class, leave the model where it is: moving a sharded module
+        # would detach its master shards from the engine's views. The engine stays, so
+        # trainer.validate()/test() after fit() reuse the sharded model.
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+_CHECKPOINT_MESSAGE = (
+    "YaFSDPStrategy cannot save or load Lightning checkpoints yet (sharded checkpoints are "
+    "planned). Pass Trainer(enable_checkpointing=False); to export the trained weights, call "
+    "trainer.strategy.engine.full_state_dict() on every rank (original names, full shapes)."
+)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _to_yafsdp_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
+    """Map the plugin Lightning built from ``precision=`` onto ours; refuse foreign ones."""
+    if plugin is None or isinstance(plugin, YaFSDPPrecision):
+        return plugin
+    # Exact types: these are what the connector builds from the flag. Subclasses
+    # (FSDPPrecision, DeepSpeedPrecision, bitsandbytes, ...) carry their own policy.
+    if type(plugin) is Precision:
+        return YaFSDPPrecision("32-true")
+    if type(plugin) in (MixedPrecision, HalfPrecision, DoublePrecision):
+        return YaFSDPPrecision(plugin.precision)
+    raise TypeError(
+        f"YaFSDPStrategy owns the dtype policy and cannot use the precision plugin "
+        f"{type(plugin).__name__}. Remove it from plugins= and pass the Trainer's precision= "
+        "flag instead ('32-true', 'bf16-mixed' or 'bf16-true'), or pass YaFSDPPrecision(...)."
+    )
+
+
+def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
+    lines = [f"YaFSDPStrategy got unexpected argument(s): {', '.join(sorted(unknown))}."]
+    for name in sorted(unknown):
+        if name in _MIGRATION_HINTS:
+            lines.append(f"  {name}: use {_MIGRATION_HINTS[name]}")
+    lines.append(
+        "Valid arguments: units, norm_classes, zero_stage, reduce_dtype, "
+        "activation_checkpointing, param_init_fn, sync_module_states, cast_forward_inputs, "
+        "timeout, process_group_backend (see docs/user-guide.md)."
+    )
+    return "\n".join(lines)
+
+
+def _reject_full_checkpoints(trainer: pl.Trainer) -> None:
+    # Fail before training, not after the first epoch when ModelCheckpoint first saves.
+    if trainer.state.fn == TrainerFn.FITTING and any(
+        isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks
+    ):
+        raise NotImplementedError(
+            "Trainer has a ModelCheckpoint callback (enable_checkpointing=True is the default), "
+            "but " + _CHECKPOINT_MESSAGE.removeprefix("YaFSDPStrategy ")
+        )
+
+
+def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
+    """Also accept FSDPStrategy's form: a block class or a list of classes."""
+    is_class_list = (
+        isinstance(spec, (list, tuple)) and spec and all(isinstance(c, type) for c in spec)
+    )
+    if not (isinstance(spec, type) or is_class_list):
+        return spec
+    classes = tuple(spec) if is_class_list else (spec,)
+    return lambda index, name: isinstance(module.get_submodule(name), classes)
+
+
+def _has_meta_parameters(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
+
+
+def _check_single_device(module: nn.Module) -> None:
+    meta = [name for name, p in module.named_parameters() if p.is_meta]
+    real = [name for name, p in module.named_parameters() if not p.is_meta]
+    if meta and real:
+        raise ValueError(
+            f"{type(module).__name__} mixes parameters built on the meta device in "
+            f"configure_model ({meta[:3]}...) with parameters built eagerly, e.g. in "
+            f"__init__ ({real[:3]}...); they cannot be sharded together. Build all of them in "
+            "configure_model, or all of them with real tensors (in __init__, or in "
+            "configure_model under `with torch.device('cpu'):`)."
+        )
+
+
+def _check_still_sharded(module: nn.Module, engine: YaFSDPEngine) -> None:
+    masters = {id(p) for p in engine.master_parameters()}
+    added = [name for name, p in module.named_parameters() if id(p) not in masters]
+    if added:
+        raise RuntimeError(
+            f"configure_model() added parameters {added[:3]} to a model that is already "
+            "sharded (configure_model runs again for every fit/validate/test/predict). Make it "
+            "idempotent: return early when the model exists, e.g. "
+            "`if self.model is not None: return`."
+        )
