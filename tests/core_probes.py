@@ -70,7 +70,7 @@ class _LargeAllocations(TorchDispatchMode):
             if tensor.untyped_storage().data_ptr() in known:
                 continue  # a view or an in-place result
             if tensor.untyped_storage().nbytes() >= self.min_numel * tensor.element_size():
-                self.found.append(f"{func} -> {tuple(tensor.shape)}")
+                self.found.append((str(func), tuple(tensor.shape)))
         return out
 
 
@@ -98,7 +98,7 @@ def traffic_memory_and_allocations(zero_stage: int = 3) -> dict:
         ],
         "smallest_unit": smallest_unit,
         "large_allocations": probe.found,
-        "master_numel": {p.numel() for p in engine.master_parameters()},
+        "master_shapes": [tuple(p.shape) for p in engine.master_parameters()],
         "param_names": [n for n, _ in model.named_parameters()],
     }
 

@@ -350,7 +350,7 @@ class YaFSDPEngine:
                 for c, m in zip(computes, (self.flat_shard, self.norm_shard), strict=True)
                 if c is not None and c.data_ptr() != m.data_ptr()
             ),
-            "grad_shards": sum(nbytes(g.storage) for g in self._all_grads()),
+            "grad_shards": sum(nbytes(p.grad) for p in masters),
             "weight_buffers": sum(b.nbytes for b in self.weight_buffers),
             "grad_buffers": sum(b.nbytes for b in self.grad_buffers),
             "resident_buffers": sum(

@@ -10,8 +10,8 @@ are divided by k (as Lightning and DDP users do) equals one large batch,
 without the engine having to know which backward is the last.
 
 The first backward after ``optimizer.zero_grad()`` (``.grad is None``, the
-torch default) writes; later backwards add. ``.grad`` is always this object's
-tensor, so the optimizer sees one fused gradient per master parameter.
+torch default) writes into a new gradient tensor; later backwards add. The
+optimizer sees one fused gradient per master parameter.
 """
 
 from __future__ import annotations
@@ -21,7 +21,12 @@ from torch import nn
 
 
 class ShardGrads:
-    """Owns the gradient tensor of one master shard parameter.
+    """Accumulates the gradient of one master shard parameter.
+
+    The gradient tensor is allocated at the first backward of an accumulation
+    window and handed to ``master.grad``; the engine keeps no reference, so
+    ``optimizer.zero_grad()`` (``set_to_none=True``) frees it between steps,
+    as torch does for ordinary parameters.
 
     Args:
         master: the master shard parameter (fp32 by default).
@@ -29,34 +34,30 @@ class ShardGrads:
 
     def __init__(self, master: nn.Parameter) -> None:
         self.master = master
-        self.storage = torch.zeros_like(master, memory_format=torch.contiguous_format)
-        self._fresh = False
+        self._window: torch.Tensor | None = None  # a fresh window's grad, until end of backward
         self._written: set[tuple[int, int]] = set()
 
     def begin_backward(self) -> None:
         """Called once at the start of every backward pass."""
-        self._fresh = self.master.grad is None
         self._written.clear()
+        if self.master.grad is None:
+            self._window = torch.empty_like(self.master, memory_format=torch.contiguous_format)
 
     def add(self, start: int, end: int, reduced: torch.Tensor, divide_factor: float) -> None:
         """Add one reduced shard (a sum over ranks) into elements ``[start, end)``."""
         reduced.div_(divide_factor)
-        target = self._target()[start:end]
-        if self._fresh and (start, end) not in self._written:
-            target.copy_(reduced)
+        if self._window is not None and (start, end) not in self._written:
+            self._window[start:end].copy_(reduced)
             self._written.add((start, end))
         else:
-            target.add_(reduced)
+            target = self.master.grad if self._window is None else self._window
+            target[start:end].add_(reduced)
 
     def end_backward(self, ranges: list[tuple[int, int]]) -> None:
-        """Zero the ranges no reduce wrote in a fresh window and expose ``.grad``."""
-        if self._fresh:
-            for start, end in ranges:
-                if (start, end) not in self._written:
-                    self.storage[start:end].zero_()
-        if self.master.grad is None:
-            self.master.grad = self.storage
-        self._fresh = False
-
-    def _target(self) -> torch.Tensor:
-        return self.storage if self.master.grad is None else self.master.grad
+        """Zero what no reduce wrote in a fresh window and expose it as ``.grad``."""
+        if self._window is None:
+            return
+        for start, end in ranges:
+            if (start, end) not in self._written:
+                self._window[start:end].zero_()
+        self.master.grad, self._window = self._window, None

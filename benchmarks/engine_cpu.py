@@ -1,0 +1,471 @@
+"""Torch-level CPU benchmark of the core engine against DDP and FSDP2 (2 ranks, gloo).
+
+Same model (built with the same seed on every rank), same data (a fixed token
+stream per rank), same optimizer (AdamW, fp32 throughout), plain torch loop,
+no Lightning. Strategies:
+
+* ``yafsdp-z3``: ``shard_model(model, zero_stage=3)`` (the engine under test);
+* ``yafsdp-z2``: ``shard_model(model, zero_stage=2)`` (extra row);
+* ``ddp``: ``torch.nn.parallel.DistributedDataParallel``;
+* ``fsdp2``: ``torch.distributed.fsdp.fully_shard`` on every block, then on the root.
+
+Every (strategy, round) pair is a fresh 2-rank job (``torch.multiprocessing``
+spawn, ``file://`` rendezvous), so peak RSS never mixes between strategies.
+Strategies run in a rotating order over ``--rounds`` rounds; each job runs
+``--warmup`` unmeasured steps, then ``--steps`` measured steps. A step's time is
+the slower rank's wall time for forward + loss + backward + optimizer step +
+zero_grad; the reported step time is the median over all measured steps of
+all rounds. Each rank uses ``torch.set_num_threads(1)`` (2 ranks on 2 cores).
+
+Examples::
+
+    python benchmarks/engine_cpu.py                          # debug-50m defaults
+    python benchmarks/engine_cpu.py --quick                  # tiny model, seconds
+    python benchmarks/engine_cpu.py --model debug-50m --batch 4 --seq 128 \\
+        --steps 8 --warmup 2 --rounds 2 --json results.json
+    python benchmarks/engine_cpu.py --profile yafsdp-z3      # torch.profiler, rank 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+STRATEGIES = ("yafsdp-z3", "yafsdp-z2", "ddp", "fsdp2")
+WORLD_SIZE = 2
+GOAL_STEP_VS_DDP = 1.10
+GOAL_STEP_VS_FSDP2 = 0.70
+GOAL_MEM_VS_FSDP2 = 1.00
+
+
+def _current_rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        pages = int(f.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def _hwm_kib() -> int:
+    """Peak RSS since start or the last ``_reset_hwm`` (VmHWM; what ru_maxrss reports)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS counter to the current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _build(strategy: str, model_name: str, seed: int):
+    """Build the model (same seed on every rank), wrap it, return (model, optimizer, engine)."""
+    import torch
+
+    from lightning_yafsdp.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(seed)
+    model = Llama(LlamaConfig.from_name(model_name))
+    engine = None
+    if strategy.startswith("yafsdp"):
+        from lightning_yafsdp.core import shard_model
+
+        engine = shard_model(model, zero_stage=int(strategy[-1]))
+        params = engine.param_groups(weight_decay=0.1)
+    elif strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        params = model.parameters()
+    elif strategy == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        params = model.parameters()
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    return model, optimizer, engine
+
+
+def _rank_main(rank: int, cfg: dict) -> None:
+    """One rank of one job: build, warm up, time, write a JSON result."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(cfg["threads"])
+    dist.init_process_group(
+        "gloo", init_method=cfg["init_method"], rank=rank, world_size=WORLD_SIZE
+    )
+    import lightning_yafsdp.core  # noqa: F401  (import cost belongs to the baseline)
+    import lightning_yafsdp.models.llama  # noqa: F401
+
+    # Peak RSS has three parts, kept apart because the kernel's peak counter is reset
+    # twice: the import phase (torch import dominates small models), build + wrap
+    # (DDP/FSDP2/shard_model all start from the full model), and training.
+    import_peak = _hwm_kib()
+    import_rss = _current_rss_kib()  # torch + lightning_yafsdp imported, group up
+    hwm_reset = _reset_hwm()
+
+    model, optimizer, engine = _build(cfg["strategy"], cfg["model"], cfg["seed"])
+    vocab = 256 if cfg["model"] in ("tiny", "debug-50m") else None
+    if vocab is None:
+        from lightning_yafsdp.models.llama import LlamaConfig
+
+        vocab = LlamaConfig.from_name(cfg["model"]).vocab_size
+    build_peak = _hwm_kib()
+    train_start_rss = _current_rss_kib()
+    _reset_hwm()
+    gen = torch.Generator().manual_seed(10_000 + rank)
+    n_steps = cfg["warmup"] + cfg["steps"]
+    batches = [
+        torch.randint(0, vocab, (cfg["batch"], cfg["seq"] + 1), generator=gen)
+        for _ in range(n_steps)
+    ]
+
+    def step(tokens):
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    profiler = None
+    times, losses = [], []
+    for i, tokens in enumerate(batches):
+        if i == cfg["warmup"]:
+            if engine is not None:
+                engine.comm_stats.reset()
+            dist.barrier()
+            if cfg["profile"] and rank == 0:
+                profiler = torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
+                )
+                profiler.__enter__()
+        start = time.perf_counter()
+        loss = step(tokens)
+        elapsed = time.perf_counter() - start
+        losses.append(float(loss))
+        if i >= cfg["warmup"]:
+            times.append(elapsed)
+    comm = engine.comm_stats.snapshot() if engine is not None else None
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        Path(cfg["out_dir"], "profile.txt").write_text(table)
+        profiler.export_chrome_trace(str(Path(cfg["out_dir"], "trace.json")))
+
+    train_peak = _hwm_kib()
+    if not hwm_reset:  # no reset possible: one process-wide peak for everything
+        import_peak = build_peak = train_peak
+    result = {
+        "rank": rank,
+        "step_times_s": times,
+        "losses": losses,
+        "import_rss_kib": import_rss,
+        "import_peak_kib": import_peak,
+        "build_peak_kib": build_peak,
+        "train_start_rss_kib": train_start_rss,
+        "train_peak_kib": train_peak,
+        # what ru_maxrss would report without the resets: the whole-process peak
+        "peak_rss_kib": max(import_peak, build_peak, train_peak),
+        "peak_resets": hwm_reset,
+        "end_rss_kib": _current_rss_kib(),
+        "n_params_local": sum(p.numel() for p in model.parameters()),
+        "comm": comm,
+        "memory_report": engine.memory_report() if engine is not None else None,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(cfg["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+
+
+# glibc settings of the memory pass: every allocation over 256 KiB is its own mmap and
+# is unmapped on free, so RSS follows live tensor bytes instead of the heap's history.
+LIVE_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
+
+
+def _run_job(
+    strategy: str,
+    args: argparse.Namespace,
+    profile: bool = False,
+    *,
+    steps: int | None = None,
+    warmup: int | None = None,
+    env: dict[str, str] | None = None,
+) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # spawned ranks inherit it; glibc reads it at start-up
+    try:
+        return _spawn(strategy, args, profile, steps or args.steps, warmup or args.warmup, mp)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _spawn(strategy, args, profile, steps, warmup, mp) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="engine_cpu_") as tmp:
+        cfg = {
+            "strategy": strategy,
+            "model": args.model,
+            "batch": args.batch,
+            "seq": args.seq,
+            "steps": steps,
+            "warmup": warmup,
+            "seed": args.seed,
+            "threads": args.threads,
+            "init_method": f"file://{tmp}/store",
+            "out_dir": tmp,
+            "profile": profile,
+        }
+        mp.spawn(_rank_main, args=(cfg,), nprocs=WORLD_SIZE, join=True)
+        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+        if profile:
+            results[0]["profile_table"] = Path(tmp, "profile.txt").read_text()
+            if args.trace:
+                Path(args.trace).write_bytes(Path(tmp, "trace.json").read_bytes())
+        return results
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _memory(jobs: list[list[dict]]) -> dict:
+    """Per-rank peaks in MiB, max over jobs (see ``_rank_main`` for the three phases)."""
+
+    def per_rank(fn) -> list[float]:
+        return [max(fn(job[r]) for job in jobs) / 1024 for r in range(WORLD_SIZE)]
+
+    return {
+        "peak_rss_mib_per_rank": per_rank(lambda r: r["peak_rss_kib"]),
+        "growth_over_import_mib_per_rank": per_rank(
+            lambda r: max(r["build_peak_kib"], r["train_peak_kib"]) - r["import_rss_kib"]
+        ),
+        "train_peak_rss_mib_per_rank": per_rank(lambda r: r["train_peak_kib"]),
+        "train_growth_mib_per_rank": per_rank(
+            lambda r: r["train_peak_kib"] - r["train_start_rss_kib"]
+        ),
+        "import_rss_mib_per_rank": per_rank(lambda r: r["import_rss_kib"]),
+    }
+
+
+def _summarize(strategy: str, jobs: list[list[dict]], mem_jobs: list[list[dict]], steps: int):
+    step_times = []  # the slower rank's time, per measured step, all rounds
+    for job in jobs:
+        step_times += [max(ts) for ts in zip(*(r["step_times_s"] for r in job))]
+    summary = {
+        "strategy": strategy,
+        "median_step_s": statistics.median(step_times),
+        "min_step_s": min(step_times),
+        "max_step_s": max(step_times),
+        "step_times_s": step_times,
+        "timing_runs_memory": _memory(jobs),
+        "memory_pass": _memory(mem_jobs) if mem_jobs else None,
+        "first_loss_per_rank": [jobs[0][r]["losses"][0] for r in range(WORLD_SIZE)],
+        "last_loss_per_rank": [jobs[0][r]["losses"][-1] for r in range(WORLD_SIZE)],
+        "local_params_per_rank": [jobs[0][r]["n_params_local"] for r in range(WORLD_SIZE)],
+    }
+    comm = jobs[0][0]["comm"]
+    if comm is not None:
+        summary["comm_per_step"] = {
+            kind: {"calls": comm["calls"][kind] / steps, "bytes": comm["bytes"][kind] / steps}
+            for kind in sorted(comm["calls"])
+        }
+        summary["memory_report"] = jobs[0][0]["memory_report"]
+    return summary
+
+
+def _fmt_comm(comm: dict | None) -> str:
+    if not comm:
+        return "-"
+    parts = [f"{kind} {c['calls']:g}x / {c['bytes'] / 2**20:.1f} MiB" for kind, c in comm.items()]
+    return "; ".join(parts)
+
+
+def _ratio(value: float | None, goal: float | None) -> str:
+    if value is None:
+        return "-"
+    if goal is None:
+        return f"{value:.2f}x"
+    return f"{value:.2f}x ({'met' if value <= goal else 'MISSED'}, goal <= {goal:.2f}x)"
+
+
+def _pair(values: list[float]) -> str:
+    return " / ".join(f"{v:.0f}" for v in values)
+
+
+def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
+    """One markdown table: speed, memory (both measurements), ratios with goals, comm."""
+    ddp, fsdp = summaries.get("ddp"), summaries.get("fsdp2")
+    live = all(s["memory_pass"] for s in summaries.values())
+    mem_key = "memory_pass" if live else "timing_runs_memory"
+    lines = [
+        "| strategy | median step (s) | tokens/s | peak RSS/rank, timing runs (MiB)"
+        " | peak RSS/rank, memory pass (MiB) | growth over import, memory pass (MiB)"
+        " | step vs DDP | step vs FSDP2 | peak RSS vs FSDP2 | collectives/step (rank 0) |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---|",
+    ]
+    for name, s in summaries.items():
+        step = s["median_step_s"]
+        ours = name.startswith("yafsdp")
+        peak = max(s[mem_key]["peak_rss_mib_per_rank"])
+        vs_ddp = step / ddp["median_step_s"] if ddp else None
+        vs_fsdp = step / fsdp["median_step_s"] if fsdp else None
+        mem_fsdp = peak / max(fsdp[mem_key]["peak_rss_mib_per_rank"]) if fsdp else None
+        mp_ = s["memory_pass"]
+        lines.append(
+            f"| {name} | {step:.3f} | {tokens_per_step / step:,.0f} | "
+            f"{_pair(s['timing_runs_memory']['peak_rss_mib_per_rank'])} | "
+            f"{_pair(mp_['peak_rss_mib_per_rank']) if mp_ else '-'} | "
+            f"{_pair(mp_['growth_over_import_mib_per_rank']) if mp_ else '-'} | "
+            f"{_ratio(vs_ddp, GOAL_STEP_VS_DDP if ours else None)} | "
+            f"{_ratio(vs_fsdp, GOAL_STEP_VS_FSDP2 if ours else None)} | "
+            f"{_ratio(mem_fsdp, GOAL_MEM_VS_FSDP2 if ours else None)} | "
+            f"{_fmt_comm(s.get('comm_per_step'))} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="debug-50m", help="LlamaConfig preset name")
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per job")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured steps per job")
+    parser.add_argument("--rounds", type=int, default=2, help="rotations over the strategies")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--strategies", default=",".join(STRATEGIES), help="comma-separated subset to run"
+    )
+    parser.add_argument(
+        "--no-memory-pass",
+        action="store_true",
+        help="skip the extra 1-job-per-strategy pass with RSS-tracking malloc settings",
+    )
+    parser.add_argument("--quick", action="store_true", help="tiny model, a few seconds/job")
+    parser.add_argument("--json", dest="json_path", help="write all results to this file")
+    parser.add_argument(
+        "--profile",
+        metavar="STRATEGY",
+        help="instead of the comparison: profile one job of STRATEGY on rank 0 (torch.profiler)",
+    )
+    parser.add_argument("--trace", help="with --profile: write rank 0's chrome trace here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.batch, args.seq, args.steps, args.warmup = "tiny", 4, 64, 10, 3
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    for s in strategies:
+        if s not in STRATEGIES:
+            parser.error(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
+
+    import torch
+
+    header = (
+        f"model={args.model} batch={args.batch}/rank seq={args.seq} world_size={WORLD_SIZE} "
+        f"backend=gloo device=cpu dtype=fp32 torch.set_num_threads({args.threads}) per rank, "
+        f"steps={args.steps} warmup={args.warmup} rounds={args.rounds}; "
+        f"torch {torch.__version__}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+    )
+    print(header, flush=True)
+
+    if args.profile:
+        results = _run_job(args.profile, args, profile=True)
+        times = [max(ts) for ts in zip(*(r["step_times_s"] for r in results))]
+        print(f"{args.profile}: median step {statistics.median(times):.3f} s (profiled)")
+        print(results[0]["profile_table"])
+        return 0
+
+    jobs: dict[str, list[list[dict]]] = {s: [] for s in strategies}
+    for rnd in range(args.rounds):
+        order = strategies[rnd % len(strategies) :] + strategies[: rnd % len(strategies)]
+        for strategy in order:
+            t0 = time.perf_counter()
+            results = _run_job(strategy, args)
+            jobs[strategy].append(results)
+            med = statistics.median(max(ts) for ts in zip(*(r["step_times_s"] for r in results)))
+            print(
+                f"  round {rnd + 1}/{args.rounds} {strategy:10s} median step {med:.3f} s "
+                f"(job {time.perf_counter() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    mem_jobs: dict[str, list[list[dict]]] = {s: [] for s in strategies}
+    if not args.no_memory_pass:
+        for strategy in strategies:
+            mem_jobs[strategy].append(
+                _run_job(strategy, args, steps=2, warmup=1, env=LIVE_MALLOC_ENV)
+            )
+            print(f"  memory pass {strategy}", file=sys.stderr, flush=True)
+
+    summaries = {s: _summarize(s, jobs[s], mem_jobs[s], args.steps) for s in strategies}
+    tokens_per_step = args.batch * args.seq * WORLD_SIZE
+    table = render_table(summaries, tokens_per_step)
+    print()
+    print(table)
+    print(
+        "\nstep = slower rank, median over all measured steps of all rounds; tokens/s = "
+        f"{tokens_per_step} tokens per step (both ranks) / median step. Peak RSS = "
+        "ru_maxrss/VmHWM of each rank process (rank 0 / rank 1, max over jobs). Timing runs "
+        "use the default glibc malloc, whose heap keeps freed memory, so their RSS grows "
+        "with the step count; the memory pass (1 job per strategy, 1+2 steps) runs with "
+        f"{' '.join(f'{k}={v}' for k, v in LIVE_MALLOC_ENV.items())} so RSS follows live "
+        "tensor bytes; the memory goal is judged on it (when run). Growth over import = "
+        "peak minus the RSS after imports + init_process_group. Collectives: per step, "
+        "rank 0, bytes = gathered/unreduced size (CommStats)."
+    )
+    losses = {s: v["first_loss_per_rank"] for s, v in summaries.items()}
+    print(f"first-step loss per rank (should agree across strategies): {losses}")
+    if args.json_path:
+        payload = {
+            "config": {
+                k: v for k, v in vars(args).items() if k not in ("json_path", "profile", "trace")
+            },
+            "header": header,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "tokens_per_step": tokens_per_step,
+            "goals": {
+                "step_vs_ddp": GOAL_STEP_VS_DDP,
+                "step_vs_fsdp2": GOAL_STEP_VS_FSDP2,
+                "peak_rss_vs_fsdp2": GOAL_MEM_VS_FSDP2,
+            },
+            "summaries": summaries,
+            "table_markdown": table,
+        }
+        Path(args.json_path).write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
