@@ -1,0 +1,128 @@
+"""yafsdp vs FSDP2 on one GPU: step time, peak memory, allocator retries (bf16, Llama).
+
+World size 1 (the lent device has one GPU): this measures the engine's own costs
+(buffers, copies, hooks, streams) against FSDP2's at equal compute, not scaling.
+
+    python benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 --steps 10 \
+        --out results/gpu_bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def _build(strategy: str, model_name: str):
+    from lightning_yafsdp.models.llama import Llama, LlamaConfig
+
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_name(model_name))
+    if strategy == "yafsdp":
+        from lightning_yafsdp.core import shard_model
+
+        engine = shard_model(model, param_dtype=torch.bfloat16, param_init_fn=model.init_submodule)
+        return model, torch.optim.AdamW(engine.param_groups(weight_decay=0.1), lr=1e-4, fused=True)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device="cuda")
+    model.init_weights()
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+
+
+def _run(strategy: str, args) -> dict:
+    torch.manual_seed(0)
+    torch.cuda.reset_peak_memory_stats()
+    model, optimizer = _build(strategy, args.model)
+    vocab = model.config.vocab_size
+    times = []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, vocab, (args.batch, args.seq), device="cuda")
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+    stats = torch.cuda.memory_stats()
+    result = {
+        "strategy": strategy,
+        "median_step_s": statistics.median(times),
+        "tokens_per_s": args.batch * args.seq / statistics.median(times),
+        "peak_allocated_gib": stats["allocated_bytes.all.peak"] / 2**30,
+        "peak_reserved_gib": stats["reserved_bytes.all.peak"] / 2**30,
+        "alloc_retries": stats["num_alloc_retries"],
+        "final_loss": loss.item(),
+    }
+    del model, optimizer, logits, loss
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=None, help="markdown table path (+ .json beside it)")
+    args = parser.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    results = [_run(s, args) for s in ("yafsdp", "fsdp2", "yafsdp", "fsdp2")]  # interleaved
+    rows = {}
+    for r in results:
+        best = rows.get(r["strategy"])
+        if best is None or r["median_step_s"] < best["median_step_s"]:
+            rows[r["strategy"]] = r
+    ours, peer = rows["yafsdp"], rows["fsdp2"]
+    lines = [
+        f"{args.model}, bf16, batch {args.batch} x seq {args.seq}, 1 GPU "
+        f"({torch.cuda.get_device_name(0)}), best of 2 interleaved runs",
+        "",
+        "| strategy | median step (s) | tokens/s | peak allocated (GiB) | peak reserved (GiB) "
+        "| alloc retries | final loss |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in (ours, peer):
+        lines.append(
+            f"| {r['strategy']} | {r['median_step_s']:.3f} | {r['tokens_per_s']:,.0f} "
+            f"| {r['peak_allocated_gib']:.2f} | {r['peak_reserved_gib']:.2f} "
+            f"| {r['alloc_retries']} | {r['final_loss']:.4f} |"
+        )
+    lines.append("")
+    lines.append(
+        f"yafsdp / fsdp2: step time {ours['median_step_s'] / peer['median_step_s']:.2f}x, "
+        f"peak allocated {ours['peak_allocated_gib'] / peer['peak_allocated_gib']:.2f}x"
+    )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+        with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+            json.dump(results, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
