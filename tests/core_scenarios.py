@@ -49,6 +49,8 @@ SCENARIOS: dict[str, Scenario] = {
     "zero2": Scenario(zero_stage=2),
     "tied_embeddings": Scenario(model="llama_tied"),
     "frozen_embeddings": Scenario(frozen_prefix="tok_embeddings"),
+    # A frozen weight inside a block makes that unit smaller than the others.
+    "frozen_in_unit": Scenario(frozen_prefix="layers.0.attention.wq"),
     "unused_parameter": Scenario(model="llama_unused"),
     "eval_between_steps": Scenario(eval_between_steps=True),
     "hf_llama": Scenario(model="hf_llama"),

@@ -30,6 +30,7 @@ FP32_AT_2_AND_4 = [
     "zero2",
     "tied_embeddings",
     "frozen_embeddings",
+    "frozen_in_unit",
     "unused_parameter",
     "eval_between_steps",
     "hf_llama_accum_clip_ckpt",

@@ -67,7 +67,7 @@ class GradBuffer:
         reduced: this rank's reduced shard, written by the reduce_scatter.
         holder: name of the unit whose grads it holds.
         reduce: the reduce_scatter reading ``tensor``, until completed.
-        on_reduced: what to do with ``reduced`` once the collective is done.
+        on_reduced: what to do with the reduced shard once the collective is done.
     """
 
     def __init__(
@@ -94,4 +94,4 @@ class GradBuffer:
         self.reduce.wait()
         self.reduce = None
         on_reduced, self.on_reduced = self.on_reduced, None
-        on_reduced(self.reduced)
+        on_reduced()

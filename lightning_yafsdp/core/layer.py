@@ -228,8 +228,9 @@ class ShardedUnit(FlatParamGroup):
         full = grad_buffer.tensor[: self.layout.padded_numel]
         reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
-        grad_buffer.on_reduced = lambda result: engine.unit_grads.add(
-            start, end, result, engine.divide_factor
+        # The unit's own prefix of the shared staging tensor (units differ in size).
+        grad_buffer.on_reduced = lambda: engine.unit_grads.add(
+            start, end, reduced, engine.divide_factor
         )
         grad_buffer.reduce = engine.scheduler.issue(
             "reduce_scatter",
