@@ -1,0 +1,77 @@
+"""The only Lightning-shaped part of checkpointing: a Lightning checkpoint dict in, out.
+
+Lightning's ``trainer.save_checkpoint`` builds one dict on every rank:
+``"state_dict"`` (from ``strategy.lightning_module_state_dict()``),
+``"optimizer_states"`` (from ``strategy.optimizer_state(opt)``) and the rest
+(loops, schedulers, callbacks, hyperparameters). The strategy returns our
+sharded (or full) state dicts from those two hooks and hands the dict here.
+Nothing here imports lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from lightning_yafsdp.checkpoint.full import (
+    OPTIMIZER_STATES_KEY,
+    STATE_DICT_KEY,
+    load_full,
+    save_full,
+)
+from lightning_yafsdp.checkpoint.sharded import load_sharded, save_sharded
+from lightning_yafsdp.core import YaFSDPEngine
+
+StateDictType = Literal["sharded", "full"]
+
+
+def save_lightning_checkpoint(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    engine: YaFSDPEngine,
+    state_dict_type: StateDictType = "sharded",
+) -> None:
+    """Write Lightning's checkpoint dict: a DCP directory + ``meta.pt``, or one file.
+
+    Collective. ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]``
+    must come from ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict``
+    (``"sharded"``) or their ``full_*`` twins (``"full"``; rank 0's are used).
+    The dict itself is not modified.
+    """
+    rest = dict(checkpoint)
+    model_state = rest.pop(STATE_DICT_KEY)
+    optimizer_states = rest.pop(OPTIMIZER_STATES_KEY, [])
+    if state_dict_type not in ("sharded", "full"):
+        raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
+    save = save_sharded if state_dict_type == "sharded" else save_full
+    save(
+        path,
+        engine,
+        extra=rest,
+        model_state=model_state,
+        optimizer_states=optimizer_states,
+    )
+
+
+def load_lightning_checkpoint(
+    path: str | os.PathLike,
+    *,
+    engine: YaFSDPEngine,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load weights and optimizer states in place; return the rest for Lightning to restore.
+
+    Collective. ``path`` may be one of our sharded directories, a full file
+    (ours, a DDP/single-device Lightning checkpoint, a consolidated one) or a bare
+    state dict file.
+    """
+    path = Path(path)
+    if path.is_file():
+        return load_full(path, engine, optimizers=optimizers, strict=strict)
+    return load_sharded(path, engine, optimizers=optimizers, strict=strict)
