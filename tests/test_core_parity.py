@@ -21,7 +21,7 @@ BF16_LOSS_RTOL = 2e-2
 BF16_WEIGHT_RTOL = 5e-2
 
 FP32_EVERYWHERE = ["adamw", "hf_llama"]  # world sizes 1, 2, 3, 4
-FP32_AT_2_AND_4 = [
+FP32_AT_2 = [
     "fused_adamw",
     "sgd_momentum",
     "accumulation_2",
@@ -35,18 +35,28 @@ FP32_AT_2_AND_4 = [
     "eval_between_steps",
     "hf_llama_accum_clip_ckpt",
 ]
+# At 4 ranks (oversubscribing 2 cores) the scenarios whose math depends on the
+# world size: the uneven shard boundaries, accumulation, clipping, ZeRO-2.
+FP32_AT_4 = [
+    "accumulation_2",
+    "clipping",
+    "zero2",
+    "tied_embeddings",
+    "frozen_in_unit",
+    "hf_llama_accum_clip_ckpt",
+]
 WORLD_SIZES = {
     1: FP32_EVERYWHERE,
-    2: [*FP32_EVERYWHERE, *FP32_AT_2_AND_4, "bf16_compute"],
-    3: FP32_EVERYWHERE,
-    4: [*FP32_EVERYWHERE, *FP32_AT_2_AND_4],
+    2: [*FP32_EVERYWHERE, *FP32_AT_2, "bf16_compute"],
+    3: [*FP32_EVERYWHERE, "accumulation_2", "frozen_in_unit"],
+    4: [*FP32_EVERYWHERE, *FP32_AT_4],
 }
 CASES = [(ws, name) for ws, names in WORLD_SIZES.items() for name in names]
 
 
 @functools.cache
 def sharded_results(world_size: int) -> dict:
-    return dist_run(world_size, run_many_sharded, WORLD_SIZES[world_size], timeout_s=400)[0]
+    return dist_run(world_size, run_many_sharded, WORLD_SIZES[world_size], timeout_s=850)[0]
 
 
 @functools.cache
@@ -60,6 +70,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     ).item()
 
 
+# The first case of a world size runs all its scenarios in one spawn: allow for it.
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("world_size", "name"), CASES, ids=[f"ws{ws}-{n}" for ws, n in CASES])
 def test_sharded_training_matches_single_process(world_size: int, name: str) -> None:
     losses, state = sharded_results(world_size)[name]
