@@ -1,41 +1,111 @@
-"""Entry point of the ``yafsdp`` command.
+"""Entry point of the ``yafsdp`` command (also ``python -m lightning_yafsdp``).
 
-Only ``--version`` and ``--help`` exist today. The commands ``train``, ``estimate``,
-``export`` and ``inspect`` are added by later issues, each when it works; none is
-registered before then.
+Commands: ``train``, ``estimate``, ``prepare``. ``export`` and ``inspect`` arrive
+with sharded checkpoints and are listed in the help as planned.
+
+Every command validates its recipe and overrides before anything heavy runs (no
+process is started for a bad config); errors print one message and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import warnings
 from collections.abc import Sequence
 
 from lightning_yafsdp import __version__
 
-_PLANNED_COMMANDS = ("train", "estimate", "export", "inspect")
+_PLANNED_COMMANDS = ("export", "inspect")
 
-_PLANNED_HELP = """\
+_EPILOG = """\
+examples:
+  yafsdp train                                  tiny Llama on CPU, 2 processes, ~2 minutes
+  yafsdp train recipes/llama-1b.yaml trainer.devices=8 optim.lr=3e-4
+  yafsdp estimate llama3-8b trainer.devices=8
+  yafsdp prepare --source text --path corpus/ --output data/corpus.bin
+
 planned commands (not available in this version):
-  train     run a training recipe (recipes/*.yaml)
-  estimate  estimate memory and step time for a model and cluster
   export    consolidate a sharded checkpoint into a plain state dict / safetensors
   inspect   show the sharding layout of a model or checkpoint
 """
+
+_OVERRIDES_HELP = (
+    "dotlist overrides merged over the recipe, e.g. optim.lr=3e-4 trainer.devices=8 "
+    "(unknown keys and wrong types are errors)"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Builds the argument parser of the ``yafsdp`` command."""
     parser = argparse.ArgumentParser(
         prog="yafsdp",
-        description=(
-            "YaFSDP-style fully sharded data parallelism for PyTorch Lightning. "
-            "This version provides no commands yet."
-        ),
-        epilog=_PLANNED_HELP,
+        description="YaFSDP-style fully sharded data parallelism for PyTorch Lightning: "
+        "train decoder language models from YAML recipes.",
+        epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    train = commands.add_parser(
+        "train",
+        help="run a training recipe",
+        description="Train with a recipe (default: the embedded tiny-cpu recipe: a tiny "
+        "Llama on the Python standard library's sources, byte-level, 2 CPU processes, "
+        "about two minutes). The resolved config is printed and saved as config.yaml in "
+        "the run directory (trainer.output_dir/run_name), next to metrics.csv, the "
+        "checkpoints and summary.json.",
+    )
+    _recipe_arguments(train)
+    train.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    train.add_argument("--quiet", action="store_true", help="no startup panel or summary")
+
+    est = commands.add_parser(
+        "estimate",
+        help="estimate memory per rank and communication per step",
+        description="Memory per rank (master/grad/optimizer shards, compute shards, "
+        "buffers, activations with and without checkpointing) and collective bytes per "
+        "optimizer step for a recipe, from the layouts the engine builds. Nothing is "
+        "allocated: the model is built on the meta device.",
+    )
+    _recipe_arguments(est)
+    est.add_argument(
+        "--world-size", type=int, default=None, help="ranks (default: devices x num_nodes)"
+    )
+    est.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+    prep = commands.add_parser(
+        "prepare",
+        help="tokenize text into a .bin token file",
+        description="Tokenize text once into a flat uint16/uint32 .bin file (plus a .json "
+        "sidecar with dtype and vocab size) for data.source=bin.",
+    )
+    prep.add_argument("--source", choices=("stdlib", "text", "jsonl"), default="stdlib")
+    prep.add_argument("--path", default=None, help="file, directory or glob (text/jsonl)")
+    prep.add_argument("--output", required=True, help="the .bin file to write")
+    prep.add_argument("--tokenizer", default="byte", help="'byte' or a local HF tokenizer dir")
+    prep.add_argument("--jsonl-field", default="text", help="JSON key holding the text")
+    prep.add_argument("--max-bytes", type=int, default=1 << 40, help="cap on text read (bytes)")
     return parser
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "args",
+        nargs="*",
+        metavar="[RECIPE] [KEY=VALUE ...]",
+        help="a recipe (YAML path, or a name in ./recipes such as llama-1b; default: the "
+        "embedded tiny-cpu recipe), then " + _OVERRIDES_HELP,
+    )
+
+
+def _split_recipe(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    if args and "=" not in args[0]:
+        return args[0], list(args[1:])
+    return None, list(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -48,16 +118,112 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code.
     """
     parser = build_parser()
-    _, unknown = parser.parse_known_args(argv)
-    if unknown and unknown[0] in _PLANNED_COMMANDS:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _PLANNED_COMMANDS:
         parser.error(
-            f"'{unknown[0]}' is planned but not available in version {__version__}; "
+            f"'{argv[0]}' is planned but not available in version {__version__}; "
             "see 'yafsdp --help'"
         )
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    # No command exists yet: with nothing to run, show what the command will offer.
-    parser.print_help()
+    # parse_known_args: overrides may also follow options (`train RECIPE --quiet a=1`).
+    options, unknown = parser.parse_known_args(argv)
+    late_overrides = [u for u in unknown if "=" in u and not u.startswith("-")]
+    rest = [u for u in unknown if u not in late_overrides]
+    if rest or (late_overrides and options.command not in ("train", "estimate")):
+        parser.error(f"unrecognized arguments: {' '.join(rest or late_overrides)}")
+    if late_overrides:
+        options.args = [*options.args, *late_overrides]
+    if options.command is None:
+        parser.print_help()
+        return 0
+    from lightning_yafsdp.config import ConfigError
+
+    try:
+        if options.command == "train":
+            return _train(options)
+        if options.command == "estimate":
+            return _estimate(options)
+        return _prepare(options)
+    except ConfigError as err:
+        print(f"yafsdp {options.command}: config error: {err}", file=sys.stderr)
+        return 2
+
+
+def _train(options: argparse.Namespace) -> int:
+    from lightning_yafsdp.config import load_config, to_yaml
+
+    recipe, overrides = _split_recipe(options.args)
+    config = load_config(recipe, overrides)  # fails here, before any process starts
+    # Lightning's own deprecation chatter (not actionable by the user of a recipe).
+    warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
+    from lightning_yafsdp.training.runner import is_rank_zero, train
+
+    if options.print_config:
+        print(to_yaml(config), end="")
+        return 0
+    if is_rank_zero() and not options.quiet:
+        from rich.console import Console
+        from rich.syntax import Syntax
+
+        Console().print(Syntax(to_yaml(config), "yaml", theme="ansi_dark"))
+    facts = train(config, show=not options.quiet)
+    return 0 if facts["steps"] > 0 else 1
+
+
+def _estimate(options: argparse.Namespace) -> int:
+    import json
+
+    from lightning_yafsdp.config import load_config
+    from lightning_yafsdp.estimate import estimate
+    from lightning_yafsdp.training.console import estimate_table, print_rich
+
+    recipe, overrides = _split_recipe(options.args)
+    config = load_config(recipe, overrides)
+    est = estimate(config, world_size=options.world_size)
+    if options.json:
+        payload = {
+            "world_size": est.world_size,
+            "precision": est.precision,
+            "zero_stage": est.zero_stage,
+            "num_parameters": est.num_parameters,
+            **est.engine_report(),
+            "optimizer_states": est.optimizer_states,
+            "activations_no_checkpointing": est.activations(0),
+            "activations_all_checkpointed": est.activations(len(est.units)),
+            "checkpointed_units": est.checkpointed_units,
+            "total": est.total,
+            "comm_per_step": est.comm_per_step,
+            "notes": est.notes,
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    title = (
+        f"{config.recipe}: {est.num_parameters:,} parameters, {est.world_size} rank(s), "
+        f"{est.precision}, ZeRO-{est.zero_stage}, {len(est.units)} units"
+    )
+    print_rich(estimate_table(est, title=title))
+    for note in est.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _prepare(options: argparse.Namespace) -> int:
+    from lightning_yafsdp.data.prepare import prepare_bin
+
+    if options.source != "stdlib" and not options.path:
+        print(f"yafsdp prepare: --source {options.source} needs --path", file=sys.stderr)
+        return 2
+    meta = prepare_bin(
+        options.output,
+        source=options.source,
+        path=options.path,
+        tokenizer=options.tokenizer,
+        max_bytes=options.max_bytes,
+        jsonl_field=options.jsonl_field,
+    )
+    print(
+        f"wrote {meta['num_tokens']:,} tokens ({meta['dtype']}, vocab {meta['vocab_size']}) "
+        f"to {options.output}"
+    )
     return 0
 
 

@@ -1,0 +1,276 @@
+"""``yafsdp estimate``: memory per rank and communication per step, before running.
+
+Shards, gradients and buffers come from the very layouts the engine builds
+(``FlatLayout`` over the groups ``find_units`` and the engine's parameter
+assignment produce, on a meta-device copy of the model), so those numbers equal
+``YaFSDPEngine.memory_report()`` exactly; a test holds them to it. Activations
+come from an analytic count of the tensors a Llama-style block saves for
+backward: an approximation, to be compared with measurements (benchmarks).
+
+[Note: estimate formulas] Per rank, ZeRO-3, P/R/M = param/reduce/master dtype bytes:
+  master shards   = sum(shard numel of every group) x M
+  compute shards  = same numel x P, only when P != M (else the master is gathered)
+  grad shards     = master shards
+  optimizer       = 2 x master shards (AdamW exp_avg, exp_avg_sq)
+  weight buffers  = 2 (ZeRO-3) or n_units (ZeRO-2) x largest unit padded numel x P
+  grad buffers    = 2 x (largest padded + largest shard) x R
+  resident groups = per group (root remainder, norms): padded x P + (padded + shard) x R
+Communication per micro-batch (bytes of the gathered/unreduced tensor, as
+``engine.comm_stats`` counts them; a ring moves (W-1)/W of that per rank):
+  all_gather      = units forward + (ZeRO-3) units but the last two in backward
+  reduce_scatter  = every group, once per backward
+  + once per optimizer step: resident groups' all_gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lightning_yafsdp.config import RunConfig
+from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.policy import find_units
+from lightning_yafsdp.core.sharding import _assign_params  # TODO: public helper in core
+
+GiB = 1024**3
+
+_PRECISION_DTYPES = {  # precision flag -> (master dtype, param dtype), as YaFSDPPrecision
+    "32-true": (torch.float32, torch.float32),
+    "bf16-mixed": (torch.float32, torch.bfloat16),
+    "bf16-true": (torch.bfloat16, torch.bfloat16),
+}
+
+
+@dataclass(frozen=True)
+class GroupSize:
+    """One flat group: a unit, the root remainder or the norms (elements)."""
+
+    name: str
+    numel: int
+    padded_numel: int
+    shard_numel: int
+
+
+@dataclass
+class Estimate:
+    """Memory per rank (bytes) and communication per step (bytes) of one recipe.
+
+    ``engine_report()`` has the keys and values of ``YaFSDPEngine.memory_report()``.
+    """
+
+    world_size: int
+    precision: str
+    zero_stage: int
+    param_bytes: int
+    reduce_bytes: int
+    master_bytes: int
+    num_parameters: int
+    units: list[GroupSize]
+    residents: list[GroupSize]
+    master_shards: int = 0
+    compute_shards: int = 0
+    grad_shards: int = 0
+    optimizer_states: int = 0
+    weight_buffers: int = 0
+    grad_buffers: int = 0
+    resident_buffers: int = 0
+    activations_per_unit: int = 0
+    activations_checkpointed_unit: int = 0
+    activations_root: int = 0
+    checkpointed_units: int = 0
+    all_gather_per_micro_batch: int = 0
+    all_gather_per_step: int = 0
+    reduce_scatter_per_micro_batch: int = 0
+    micro_batches: int = 1
+    notes: list[str] = field(default_factory=list)
+
+    def engine_report(self) -> dict[str, int]:
+        return {
+            "master_shards": self.master_shards,
+            "compute_shards": self.compute_shards,
+            "grad_shards": self.grad_shards,
+            "weight_buffers": self.weight_buffers,
+            "grad_buffers": self.grad_buffers,
+            "resident_buffers": self.resident_buffers,
+        }
+
+    def activations(self, checkpointed_units: int) -> int:
+        """Peak activation bytes with the first ``checkpointed_units`` units recomputed."""
+        n = len(self.units)
+        k = max(0, min(n, checkpointed_units))
+        total = (n - k) * self.activations_per_unit + k * self.activations_checkpointed_unit
+        if k:  # one recomputed unit's activations exist again during its backward
+            total += self.activations_per_unit
+        return total + self.activations_root
+
+    @property
+    def states(self) -> int:
+        """Bytes of sharded state and buffers (everything but activations)."""
+        return sum(self.engine_report().values()) + self.optimizer_states
+
+    @property
+    def total(self) -> int:
+        return self.states + self.activations(self.checkpointed_units)
+
+    @property
+    def comm_per_step(self) -> dict[str, int]:
+        """Collective bytes per optimizer step, by kind."""
+        return {
+            "all_gather": self.micro_batches * self.all_gather_per_micro_batch
+            + self.all_gather_per_step,
+            "reduce_scatter": self.micro_batches * self.reduce_scatter_per_micro_batch,
+        }
+
+
+def group_sizes(
+    model: nn.Module, world_size: int, *, units=None, norm_classes=None
+) -> tuple[list[GroupSize], list[GroupSize]]:
+    """The engine's flat groups of ``model`` (meta device is fine): units, residents.
+
+    Residents are listed as the engine builds them: the root remainder, then norms.
+    """
+    unit_modules = find_units(model, units)
+    unit_specs, norm_spec, root_spec, _ = _assign_params(model, unit_modules, norm_classes)
+
+    def size(spec) -> GroupSize:
+        layout = FlatLayout(
+            [owners[0].name for owners in spec.owners],
+            [p.shape for p in spec.params],
+            world_size,
+        )
+        return GroupSize(spec.name, layout.numel, layout.padded_numel, layout.shard_numel)
+
+    residents = [size(spec) for spec in (root_spec, norm_spec) if spec.params]
+    return [size(spec) for spec in unit_specs], residents
+
+
+def estimate(
+    config: RunConfig, *, world_size: int | None = None, model: nn.Module | None = None
+) -> Estimate:
+    """Estimate the memory per rank and the traffic per step of a recipe.
+
+    Args:
+        config: The resolved recipe.
+        world_size: Ranks sharing the model; default ``trainer.devices x num_nodes``
+            (``devices="auto"``: the visible GPUs, else 1).
+        model: The model to measure (default: built from the recipe on the meta device).
+    """
+    from lightning_yafsdp.training.models import build_model
+
+    world_size = world_size or _world_size(config)
+    if model is None:
+        with torch.device("meta"):
+            model = build_model(config)
+    master_dtype, param_dtype = _PRECISION_DTYPES[config.trainer.precision]
+    reduce_dtype = getattr(torch, config.strategy.reduce_dtype)
+    units, residents = group_sizes(model, world_size)
+    p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))
+    est = Estimate(
+        world_size=world_size,
+        precision=config.trainer.precision,
+        zero_stage=config.strategy.zero_stage,
+        param_bytes=p,
+        reduce_bytes=r,
+        master_bytes=m,
+        num_parameters=sum(t.numel() for t in {id(t): t for t in model.parameters()}.values()),
+        units=units,
+        residents=residents,
+        micro_batches=config.trainer.accumulate_grad_batches,
+    )
+    shard_numel = sum(g.shard_numel for g in (*units, *residents))
+    est.master_shards = shard_numel * m
+    est.compute_shards = shard_numel * p if p != m else 0
+    est.grad_shards = est.master_shards
+    est.optimizer_states = 2 * est.master_shards
+    largest = max(g.padded_numel for g in units)
+    largest_shard = max(g.shard_numel for g in units)
+    n_weight_buffers = 2 if config.strategy.zero_stage == 3 else len(units)
+    est.weight_buffers = n_weight_buffers * largest * p
+    est.grad_buffers = 2 * (largest + largest_shard) * r
+    est.resident_buffers = sum(
+        g.padded_numel * p + (g.padded_numel + g.shard_numel) * r for g in residents
+    )
+
+    regathered = units[:-2] if config.strategy.zero_stage == 3 else []
+    est.all_gather_per_micro_batch = sum(g.padded_numel for g in (*units, *regathered)) * p
+    est.all_gather_per_step = sum(g.padded_numel for g in residents) * p
+    est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r
+
+    _activation_bytes(est, config, model)
+    est.checkpointed_units = checkpointed_units(est, config)
+    return est
+
+
+def checkpointed_units(est: Estimate, config: RunConfig) -> int:
+    """How many units the recipe's ``activation_checkpointing`` recomputes.
+
+    ``"auto"`` picks the fewest units whose activations fit
+    ``strategy.activation_memory_gb`` (each recomputed unit costs about a third of
+    its forward+backward time), all of them if nothing fits.
+    """
+    spec = config.strategy.activation_checkpointing
+    n = len(est.units)
+    if spec == "none":
+        return 0
+    if spec == "all":
+        return n
+    if spec.isdigit():
+        return min(int(spec), n)
+    budget = float(config.strategy.activation_memory_gb or 0) * GiB
+    for k in range(n + 1):
+        if est.activations(k) <= budget:
+            return k
+    est.notes.append(
+        f"activations exceed strategy.activation_memory_gb={config.strategy.activation_memory_gb}"
+        " even with every unit checkpointed: lower data.batch_size or data.seq_len"
+    )
+    return n
+
+
+def _activation_bytes(est: Estimate, config: RunConfig, model: nn.Module) -> None:
+    # Tensors a pre-norm Llama block saves for backward, per token (elements): two
+    # norm inputs and outputs (4 h), q/k/v after rotary and the attention output
+    # and its reshaped copy (3 h + 2 kv), the SwiGLU gate, up, activation and
+    # product (4 f). Flash/memory-efficient SDPA saves no seq x seq matrix.
+    b, s = config.data.batch_size, config.data.seq_len
+    dims = _shape(model)
+    if dims is None:
+        est.notes.append("activations: unknown architecture, counted as 16 x dim per token")
+    h, kv, f, vocab = dims or (_hidden_guess(model), 0, 0, 0)
+    per_token = 7 * h + 2 * kv + 4 * f if dims else 16 * h
+    if config.practices.dropout > 0:
+        per_token += 3 * h  # masks of attention and residual dropout (bytes ~ elements)
+    act = est.param_bytes
+    est.activations_per_unit = b * s * per_token * act
+    est.activations_checkpointed_unit = b * s * h * act
+    # Root: embedding output, final norm in/out, logits and their fp32 copy for the loss.
+    logits = b * s * vocab * (act + (4 if config.practices.fp32_loss and act != 4 else 0))
+    est.activations_root = b * s * 3 * h * act + logits
+
+
+def _shape(model: nn.Module) -> tuple[int, int, int, int] | None:
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    h = getattr(cfg, "dim", None) or getattr(cfg, "hidden_size", None)
+    heads = getattr(cfg, "n_heads", None) or getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "n_kv_heads", None) or getattr(cfg, "num_key_value_heads", heads)
+    f = getattr(cfg, "ffn_hidden_dim", None) or getattr(cfg, "intermediate_size", None)
+    vocab = getattr(cfg, "vocab_size", None)
+    if not all((h, heads, kv_heads, f, vocab)):
+        return None
+    return h, kv_heads * (h // heads), f, vocab
+
+
+def _hidden_guess(model: nn.Module) -> int:
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return int(emb.weight.shape[1]) if emb is not None else 0
+
+
+def _world_size(config: RunConfig) -> int:
+    devices = config.trainer.lightning_devices()
+    if devices == "auto" or devices == -1:
+        devices = torch.cuda.device_count() if config.trainer.accelerator != "cpu" else 1
+    return max(1, int(devices)) * config.trainer.num_nodes

@@ -1,0 +1,307 @@
+"""``yafsdp train`` as a function: recipe -> Trainer -> fit -> summary.
+
+[Note: one command, many processes] On a laptop the first process is the
+launcher: Lightning's subprocess launcher re-runs the same command line for
+ranks 1..N-1. Under SLURM (``srun``) or torchrun every rank runs the command
+itself. So everything here runs on every rank, deterministically; what only one
+process should do (print, write files) checks :func:`is_rank_zero`, and the run
+directory is decided once and handed down through ``YAFSDP_RUN_NAME``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.loggers import CSVLogger, Logger
+
+from lightning_yafsdp.config import RunConfig, to_yaml
+from lightning_yafsdp.data import TokenDataModule
+from lightning_yafsdp.estimate import Estimate, estimate
+from lightning_yafsdp.training import console
+from lightning_yafsdp.training.module import CausalLMModule
+from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
+from lightning_yafsdp.training.thermometers import Thermometers
+
+RUN_NAME_ENV = "YAFSDP_RUN_NAME"
+
+
+def is_rank_zero() -> bool:
+    """True in the process that is (or will be) global rank 0."""
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var]) == 0
+    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
+
+
+def run_dir_of(config: RunConfig) -> Path:
+    """``output_dir/run_name``, the same on every rank (see the note above)."""
+    name = config.trainer.run_name or os.environ.get(RUN_NAME_ENV)
+    if not name:
+        job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+        # Under SLURM the job id is stable across requeues: a requeued job resumes here.
+        suffix = job if job and job != "none" else time.strftime("%Y%m%d-%H%M%S")
+        name = f"{config.recipe}-{suffix}"
+    os.environ[RUN_NAME_ENV] = name  # inherited by the ranks the launcher starts
+    return Path(config.trainer.output_dir) / name
+
+
+def world_size_of(config: RunConfig) -> int:
+    from lightning_yafsdp.estimate import _world_size
+
+    return _world_size(config)
+
+
+def build_strategy(config: RunConfig, est: Estimate) -> Any:
+    if config.strategy.name == "ddp":
+        return "ddp"
+    from lightning_yafsdp.strategy import YaFSDPStrategy
+
+    k = est.checkpointed_units
+    return YaFSDPStrategy(
+        zero_stage=config.strategy.zero_stage,
+        reduce_dtype=getattr(torch, config.strategy.reduce_dtype),
+        activation_checkpointing=list(range(k)) if k else None,
+        sync_module_states=config.strategy.sync_module_states,
+    )
+
+
+def build_trainer(
+    config: RunConfig,
+    run_dir: Path,
+    est: Estimate,
+    *,
+    train_sequences: int,
+    extra_callbacks: Sequence[Callback] = (),
+) -> pl.Trainer:
+    """The Trainer of a recipe (``train_sequences``: size of the train split)."""
+    tc = config.trainer
+    callbacks: list[Any] = [RunStats(), *extra_callbacks]
+    if config.practices.thermometers.enabled:
+        callbacks.append(Thermometers(config.practices.thermometers.every_n_steps))
+    if tc.progress_bar:
+        callbacks.append(RichProgressBar(leave=True))
+    checkpointing = tc.checkpoint_every_n_steps > 0
+    if checkpointing:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=run_dir / "checkpoints",
+                every_n_train_steps=tc.checkpoint_every_n_steps,
+                save_last=True,
+                save_top_k=-1,
+            )
+        )
+    return pl.Trainer(
+        accelerator=tc.accelerator,
+        devices=tc.lightning_devices(),
+        num_nodes=tc.num_nodes,
+        strategy=build_strategy(config, est),
+        precision=tc.precision,
+        max_steps=tc.max_steps,
+        max_epochs=_epochs(config, est.world_size, train_sequences),
+        accumulate_grad_batches=tc.accumulate_grad_batches,
+        gradient_clip_val=config.optim.grad_clip or None,
+        val_check_interval=min(tc.val_check_interval, tc.max_steps * tc.accumulate_grad_batches),
+        check_val_every_n_epoch=None,
+        limit_val_batches=tc.limit_val_batches,
+        num_sanity_val_steps=0,
+        log_every_n_steps=tc.log_every_n_steps,
+        logger=_logger(config, run_dir),
+        callbacks=callbacks,
+        enable_checkpointing=checkpointing,
+        enable_progress_bar=tc.progress_bar,
+        enable_model_summary=False,
+        default_root_dir=run_dir,
+    )
+
+
+def _epochs(config: RunConfig, world_size: int, train_sequences: int) -> int:
+    # max_steps decides; the epoch count only makes the progress bar read "Epoch 0/1".
+    per_epoch = max(1, train_sequences // (config.data.batch_size * world_size))
+    return math.ceil(config.trainer.max_steps * config.trainer.accumulate_grad_batches / per_epoch)
+
+
+def _logger(config: RunConfig, run_dir: Path) -> Logger | bool:
+    kind = config.trainer.logger
+    if kind == "none":
+        return False
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        return TensorBoardLogger(save_dir=str(run_dir), name="logs", version="tensorboard")
+    return CSVLogger(save_dir=str(run_dir), name="logs", version="")
+
+
+def train(
+    config: RunConfig, *, show: bool = True, extra_callbacks: Sequence[Callback] = ()
+) -> dict[str, Any]:
+    """Run a recipe to the end; return the summary facts (every rank gets them).
+
+    Args:
+        config: The resolved recipe.
+        show: Print the startup panel and the final summary on rank 0.
+        extra_callbacks: More Lightning callbacks for the Trainer.
+    """
+    run_dir = run_dir_of(config)
+    rank_zero = is_rank_zero()
+    pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
+    if config.trainer.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # N ranks on one machine: each gets its share of the cores, not all of them.
+        processes = max(1, world_size_of(config) // config.trainer.num_nodes)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    est = estimate(config)
+    data = TokenDataModule(config.data)
+    data.setup("fit")
+    model = CausalLMModule(config)
+    _check_vocab(config, data, est)
+    if rank_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(config))
+        if show:
+            console.print_rich(
+                console.startup_panel(
+                    recipe=config.recipe,
+                    model_name=_model_name(config),
+                    est=est,
+                    world_size=est.world_size,
+                    precision=config.trainer.precision,
+                    strategy=config.strategy.name,
+                    data=_data_facts(config, data),
+                    run_dir=str(run_dir),
+                )
+            )
+    trainer = build_trainer(
+        config,
+        run_dir,
+        est,
+        train_sequences=len(data.train_dataset),
+        extra_callbacks=extra_callbacks,
+    )
+    ckpt_path = _resume_path(run_dir)
+    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    # val_check_interval counts training batches (micro-batches), as Lightning does.
+    batches = trainer.global_step * config.trainer.accumulate_grad_batches
+    interval = min(config.trainer.val_check_interval, batches or 1)
+    if config.trainer.limit_val_batches and batches % interval != 0:
+        trainer.validate(model, datamodule=data, verbose=False)
+    facts = _summary(config, trainer, model, data, run_dir)
+    if trainer.is_global_zero:
+        (run_dir / "summary.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
+        if show:
+            console.print_rich(
+                console.summary_table(_display(facts), [loss for _, loss in model.train_losses])
+            )
+    return facts
+
+
+def _check_vocab(config: RunConfig, data: TokenDataModule, est: Estimate) -> None:
+    from lightning_yafsdp.training.models import build_model, vocab_size_of
+
+    with torch.device("meta"):
+        vocab = vocab_size_of(build_model(config))
+    if data.vocab_size > vocab:
+        raise ValueError(
+            f"the data's vocabulary ({data.vocab_size} tokens, data.tokenizer="
+            f"{config.data.tokenizer!r}) exceeds the model's vocab_size={vocab}; set "
+            "model.vocab_size or use the model's own tokenizer"
+        )
+
+
+def _resume_path(run_dir: Path) -> str | None:
+    # A requeued SLURM job (same run dir) continues from its last checkpoint. Lightning
+    # itself resumes from the checkpoint it saved on SIGUSR1 (hpc_ckpt_*.ckpt in the run
+    # dir) when ckpt_path is None, and that one is the newest.
+    if any(run_dir.glob("hpc_ckpt_*.ckpt")):
+        return None
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return str(last) if last.exists() else None
+
+
+def _model_name(config: RunConfig) -> str:
+    if config.model.kind == "hf":
+        return f"hf:{config.model.hf_path}"
+    return f"llama/{config.model.preset}"
+
+
+def _data_facts(config: RunConfig, data: TokenDataModule) -> dict[str, Any]:
+    return {
+        "source": config.data.source,
+        "train_tokens": data.train_tokens,
+        "val_tokens": data.val_tokens,
+        "vocab_size": data.vocab_size,
+        "unigram_entropy": data.unigram_entropy,
+    }
+
+
+def _summary(
+    config: RunConfig,
+    trainer: pl.Trainer,
+    model: CausalLMModule,
+    data: TokenDataModule,
+    run_dir: Path,
+) -> dict[str, Any]:
+    stats = next(cb for cb in trainer.callbacks if isinstance(cb, RunStats))
+    device = trainer.strategy.root_device
+    tokens = model.tokens_seen * trainer.world_size
+    rate = tokens / stats.train_seconds if stats.train_seconds else math.nan
+    peak, peak_kind = peak_memory_bytes(device)
+    val = trainer.callback_metrics.get("val_loss")
+    facts: dict[str, Any] = {
+        "steps": trainer.global_step,
+        "tokens": tokens,
+        "train_seconds": round(stats.train_seconds, 2),
+        "tokens_per_s": round(rate, 1),
+        "mfu": None,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": peak_kind,
+        "first_train_loss": model.train_losses[0][1] if model.train_losses else math.nan,
+        "final_train_loss": model.final_train_loss(),
+        "final_val_loss": float(val) if val is not None else math.nan,
+        "unigram_entropy": data.unigram_entropy,
+        "run_dir": str(run_dir),
+        "checkpoint": _last_checkpoint(trainer),
+        "rollbacks": [vars(r) for r in model.guard.rollbacks] if model.guard else [],
+        "skipped_steps": list(model.guard.skipped_steps) if model.guard else [],
+    }
+    peak_flops = device_peak_flops(device)
+    if peak_flops and config.model.kind == "llama" and model.model is not None:
+        with torch.device("meta"):
+            from lightning_yafsdp.training.models import build_model
+
+            flops = build_model(config).flops_per_token(config.data.seq_len)
+        facts["mfu"] = round(rate * flops / (peak_flops * trainer.world_size), 4)
+    return facts
+
+
+def _last_checkpoint(trainer: pl.Trainer) -> str | None:
+    callback = trainer.checkpoint_callback
+    if callback is None:
+        return None
+    return getattr(callback, "last_model_path", None) or None
+
+
+def _display(facts: dict[str, Any]) -> dict[str, str]:
+    return {
+        "steps": str(facts["steps"]),
+        "tokens": console.human_count(facts["tokens"]),
+        "tokens/s (training)": f"{facts['tokens_per_s']:,.0f}",
+        "MFU": f"{facts['mfu']:.1%}" if facts["mfu"] is not None else "n/a (device peak unknown)",
+        f"peak memory ({facts['peak_memory_kind']}, rank 0)": console.human_bytes(
+            facts["peak_memory_bytes"]
+        ),
+        "first train loss": f"{facts['first_train_loss']:.3f}",
+        "final train loss (last 10 steps)": f"{facts['final_train_loss']:.3f}",
+        "final val loss": f"{facts['final_val_loss']:.3f}",
+        "unigram baseline (val)": f"{facts['unigram_entropy']:.3f}",
+        "divergence rollbacks": str(len(facts["rollbacks"])),
+        "outputs": facts["run_dir"],
+        "checkpoint": facts["checkpoint"] or "none (trainer.checkpoint_every_n_steps=0)",
+    }

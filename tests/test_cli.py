@@ -1,0 +1,182 @@
+"""The ``yafsdp`` command: help, config errors before any process starts, the default run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_yafsdp import __version__
+from lightning_yafsdp.cli.main import main
+from lightning_yafsdp.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _yafsdp(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_yafsdp", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# -- help ---------------------------------------------------------------------------------
+
+
+def test_version(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_help_lists_commands_and_planned_ones(capsys) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for command in ("train", "estimate", "prepare", "export", "inspect"):
+        assert command in out
+    assert "planned commands" in out
+
+
+@pytest.mark.parametrize("command", ["train", "estimate", "prepare"])
+def test_each_command_has_help(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert f"yafsdp {command}" in capsys.readouterr().out
+
+
+def test_planned_command_says_so(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export"])
+    assert exit_info.value.code == 2
+    assert "planned" in capsys.readouterr().err
+
+
+# -- config errors ----------------------------------------------------------------------------
+
+
+def test_unknown_key_names_the_closest_valid_key() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr'.*did you mean 'optim.lr'"):
+        load_config(None, ["optim.lrr=1e-3"])
+
+
+def test_unknown_section_names_the_closest_section() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'trainr'.*did you mean 'trainer'"):
+        load_config(None, ["trainr.devices=1"])
+
+
+def test_unknown_key_in_a_recipe_file_names_the_file(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model:\n  n_layer: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"bad.yaml: unknown key 'model.n_layer'.*'model.n_layers'"
+    ):
+        load_config(recipe)
+
+
+def test_wrong_type_names_the_key_and_the_expected_type() -> None:
+    with pytest.raises(ConfigError, match=r"wrong type for 'trainer.max_steps' \(expected int\)"):
+        load_config(None, ["trainer.max_steps=many"])
+
+
+def test_value_out_of_range_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="trainer.precision='16-mixed'"):
+        load_config(None, ["trainer.precision=16-mixed"])
+
+
+def test_override_without_equals_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(None, ["optim.lr"])
+
+
+def test_overrides_apply_over_the_recipe() -> None:
+    config = load_config("llama-1b", ["optim.lr=3e-4", "trainer.devices=8"])
+    assert config.optim.lr == 3e-4 and config.trainer.devices == "8"
+    assert config.model.preset == "llama-1b" and config.recipe == "llama-1b"
+
+
+def test_bad_config_fails_before_any_process_starts(tmp_path: Path) -> None:
+    result = _yafsdp("train", "model.dimm=32", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "unknown key 'model.dimm'" in result.stderr and "'model.dim'" in result.stderr
+    assert "Initializing distributed" not in result.stdout + result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_print_config_shows_the_resolved_config(capsys) -> None:
+    assert main(["train", "--print-config", "optim.lr=0.001", "data.seq_len=64"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.001" in out and "seq_len: 64" in out and "recipe: tiny-cpu" in out
+
+
+def test_estimate_prints_memory_and_traffic(capsys) -> None:
+    assert main(["estimate", "--json", "trainer.devices=2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["world_size"] == 2 and report["master_shards"] > 0
+    assert report["activations_all_checkpointed"] < report["activations_no_checkpointing"]
+    assert set(report["comm_per_step"]) == {"all_gather", "reduce_scatter"}
+
+
+def test_prepare_writes_a_bin_file(tmp_path: Path, capsys) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world\n" * 10)
+    out = tmp_path / "corpus.bin"
+    assert main(["prepare", "--source", "text", "--path", str(text), "--output", str(out)]) == 0
+    assert out.stat().st_size == 2 * len(text.read_bytes())  # uint16, one token per byte
+    assert json.loads(out.with_suffix(".json").read_text())["vocab_size"] == 256
+
+
+# -- the default run --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_recipe_trains_end_to_end_and_its_loss_falls(tmp_path: Path) -> None:
+    """``yafsdp train`` (tiny-cpu, 2 CPU processes, YaFSDP) on a shortened schedule."""
+    result = _yafsdp(
+        "train",
+        "trainer.max_steps=40",
+        "trainer.val_check_interval=40",
+        "trainer.progress_bar=false",
+        "trainer.run_name=e2e",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "e2e"
+    assert "yafsdp train: tiny-cpu" in result.stdout  # the startup panel
+    assert "run summary" in result.stdout
+    facts = json.loads((run_dir / "summary.json").read_text())
+    assert facts["steps"] == 40 and facts["tokens"] == 40 * 16 * 128 * 2
+    assert facts["first_train_loss"] > 5.0  # ~ln(256) at initialisation
+    assert facts["final_val_loss"] < facts["first_train_loss"] - 1.5
+    assert facts["final_val_loss"] < facts["unigram_entropy"]
+    assert (run_dir / "config.yaml").read_text() == _resolved(run_dir)
+    rows = list(csv.DictReader((run_dir / "logs" / "metrics.csv").open()))
+    assert any(row.get("val_ppl") for row in rows) and any(row.get("tokens_per_s") for row in rows)
+
+
+def _resolved(run_dir: Path) -> str:
+    from lightning_yafsdp.config import to_yaml
+
+    config = load_config(
+        None,
+        [
+            "trainer.max_steps=40",
+            "trainer.val_check_interval=40",
+            "trainer.progress_bar=false",
+            "trainer.run_name=e2e",
+        ],
+    )
+    return to_yaml(config)
