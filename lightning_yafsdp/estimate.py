@@ -30,9 +30,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.config import RunConfig
-from lightning_yafsdp.core.layout import FlatLayout
-from lightning_yafsdp.core.policy import find_units
-from lightning_yafsdp.core.sharding import _assign_params  # TODO: public helper in core
+from lightning_yafsdp.core.sharding import NORM_GROUP, ROOT_GROUP, plan_layouts
 
 GiB = 1024**3
 
@@ -131,19 +129,17 @@ def group_sizes(
 
     Residents are listed as the engine builds them: the root remainder, then norms.
     """
-    unit_modules = find_units(model, units)
-    unit_specs, norm_spec, root_spec, _ = _assign_params(model, unit_modules, norm_classes)
+    plan = plan_layouts(model, world_size=world_size, units=units, norm_classes=norm_classes)
 
-    def size(spec) -> GroupSize:
-        layout = FlatLayout(
-            [owners[0].name for owners in spec.owners],
-            [p.shape for p in spec.params],
-            world_size,
-        )
-        return GroupSize(spec.name, layout.numel, layout.padded_numel, layout.shard_numel)
+    def size(name, layout) -> GroupSize:
+        return GroupSize(name, layout.numel, layout.padded_numel, layout.shard_numel)
 
-    residents = [size(spec) for spec in (root_spec, norm_spec) if spec.params]
-    return [size(spec) for spec in unit_specs], residents
+    residents = [
+        size(name, layout)
+        for name, layout in ((ROOT_GROUP, plan.root), (NORM_GROUP, plan.norms))
+        if layout is not None
+    ]
+    return [size(name, layout) for name, layout in plan.units], residents
 
 
 def estimate(

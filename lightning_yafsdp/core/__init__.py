@@ -14,7 +14,7 @@ from lightning_yafsdp.core.collectives import CommStats
 from lightning_yafsdp.core.engine import ParamShard, YaFSDPEngine
 from lightning_yafsdp.core.layout import FlatLayout
 from lightning_yafsdp.core.policy import find_units, is_norm_module
-from lightning_yafsdp.core.sharding import get_engine, shard_model
+from lightning_yafsdp.core.sharding import ShardingPlan, get_engine, plan_layouts, shard_model
 from lightning_yafsdp.core.streams import ScheduleEvent
 
 __all__ = [
@@ -22,9 +22,11 @@ __all__ = [
     "FlatLayout",
     "ParamShard",
     "ScheduleEvent",
+    "ShardingPlan",
     "YaFSDPEngine",
     "find_units",
     "get_engine",
     "is_norm_module",
+    "plan_layouts",
     "shard_model",
 ]

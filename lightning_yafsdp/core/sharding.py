@@ -120,23 +120,10 @@ def shard_model(
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     unit_modules = find_units(module, units)
-    unit_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
-    if not any(spec.params for spec in (*unit_specs, norm_spec, root_spec)):
-        raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
-    empty = [spec.name for spec in unit_specs if not spec.params]
-    if empty:
-        raise ValueError(
-            f"units {empty} have no trainable parameters to shard; leave them out of units="
-        )
-
-    def layout_of(spec: _GroupSpec) -> FlatLayout:
-        return FlatLayout(
-            [o[0].name for o in spec.owners], [p.shape for p in spec.params], world_size
-        )
-
-    unit_layouts = [layout_of(spec) for spec in unit_specs]
-    root_layout = layout_of(root_spec) if root_spec.params else None
-    norm_layout = layout_of(norm_spec) if norm_spec.params else None
+    plan = _plan(module, unit_modules, norm_classes, world_size)
+    unit_specs, norm_spec, root_spec, frozen = plan.specs
+    unit_layouts = [layout for _, layout in plan.units]
+    root_layout, norm_layout = plan.root, plan.norms
     flat_groups = [*zip(unit_specs, unit_layouts, strict=True)]
     if root_layout is not None:
         flat_groups.append((root_spec, root_layout))
@@ -202,6 +189,57 @@ def shard_model(
     _apply_activation_checkpointing(engine, activation_checkpointing)
     engine.comm_stats.reset()
     return engine
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The flat groups ``shard_model`` builds, before any tensor is touched.
+
+    Attributes:
+        units: ``(name, layout)`` per unit, in module order.
+        root: layout of the root remainder (parameters outside units and norms).
+        norms: layout of the norm group.
+    """
+
+    units: list[tuple[str, FlatLayout]]
+    root: FlatLayout | None
+    norms: FlatLayout | None
+    specs: tuple = field(default=(), repr=False, compare=False)
+
+
+def plan_layouts(
+    module: nn.Module, *, world_size: int, units: UnitsSpec = None, norm_classes: NormSpec = None
+) -> ShardingPlan:
+    """The layouts ``shard_model`` would build for ``module`` at ``world_size``.
+
+    Needs no process group and works on meta-device models: memory estimates
+    (``yafsdp estimate``) use it so that they match the engine exactly.
+    """
+    return _plan(module, find_units(module, units), norm_classes, world_size)
+
+
+def _plan(module, unit_modules, norm_classes, world_size) -> ShardingPlan:
+    unit_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
+    if not any(spec.params for spec in (*unit_specs, norm_spec, root_spec)):
+        raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
+    empty = [spec.name for spec in unit_specs if not spec.params]
+    if empty:
+        raise ValueError(
+            f"units {empty} have no trainable parameters to shard; leave them out of units="
+        )
+
+    def layout_of(spec: _GroupSpec) -> FlatLayout | None:
+        if not spec.params:
+            return None
+        names = [owners[0].name for owners in spec.owners]
+        return FlatLayout(names, [p.shape for p in spec.params], world_size)
+
+    return ShardingPlan(
+        units=[(spec.name, layout_of(spec)) for spec in unit_specs],
+        root=layout_of(root_spec),
+        norms=layout_of(norm_spec),
+        specs=(unit_specs, norm_spec, root_spec, frozen),
+    )
 
 
 def get_engine(module: nn.Module) -> YaFSDPEngine:
