@@ -30,45 +30,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+try:  # run as a script (python benchmarks/engine_cpu.py): benchmarks/ is on sys.path
+    import _measure as m
+except ImportError:  # imported as benchmarks.engine_cpu from the repository root
+    from benchmarks import _measure as m
+
 STRATEGIES = ("yafsdp-z3", "yafsdp-z2", "ddp", "fsdp2")
 WORLD_SIZE = 2
 GOAL_STEP_VS_DDP = 1.10
 GOAL_STEP_VS_FSDP2 = 0.70
 GOAL_MEM_VS_FSDP2 = 1.00
-
-
-def _current_rss_kib() -> int:
-    with open("/proc/self/statm") as f:
-        pages = int(f.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") // 1024
-
-
-def _hwm_kib() -> int:
-    """Peak RSS since start or the last ``_reset_hwm`` (VmHWM; what ru_maxrss reports)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-
-
-def _reset_hwm() -> bool:
-    """Reset the kernel's peak-RSS counter to the current RSS (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------- one rank
@@ -122,9 +99,9 @@ def _rank_main(rank: int, cfg: dict) -> None:
     # Peak RSS has three parts, kept apart because the kernel's peak counter is reset
     # twice: the import phase (torch import dominates small models), build + wrap
     # (DDP/FSDP2/shard_model all start from the full model), and training.
-    import_peak = _hwm_kib()
-    import_rss = _current_rss_kib()  # torch + lightning_yafsdp imported, group up
-    hwm_reset = _reset_hwm()
+    import_peak = m.hwm_kib()
+    import_rss = m.current_rss_kib()  # torch + lightning_yafsdp imported, group up
+    hwm_reset = m.reset_hwm()
 
     model, optimizer, engine = _build(cfg["strategy"], cfg["model"], cfg["seed"])
     vocab = 256 if cfg["model"] in ("tiny", "debug-50m") else None
@@ -132,9 +109,9 @@ def _rank_main(rank: int, cfg: dict) -> None:
         from lightning_yafsdp.models.llama import LlamaConfig
 
         vocab = LlamaConfig.from_name(cfg["model"]).vocab_size
-    build_peak = _hwm_kib()
-    train_start_rss = _current_rss_kib()
-    _reset_hwm()
+    build_peak = m.hwm_kib()
+    train_start_rss = m.current_rss_kib()
+    m.reset_hwm()
     gen = torch.Generator().manual_seed(10_000 + rank)
     n_steps = cfg["warmup"] + cfg["steps"]
     batches = [
@@ -175,7 +152,7 @@ def _rank_main(rank: int, cfg: dict) -> None:
         Path(cfg["out_dir"], "profile.txt").write_text(table)
         profiler.export_chrome_trace(str(Path(cfg["out_dir"], "trace.json")))
 
-    train_peak = _hwm_kib()
+    train_peak = m.hwm_kib()
     if not hwm_reset:  # no reset possible: one process-wide peak for everything
         import_peak = build_peak = train_peak
     result = {
@@ -190,7 +167,7 @@ def _rank_main(rank: int, cfg: dict) -> None:
         # what ru_maxrss would report without the resets: the whole-process peak
         "peak_rss_kib": max(import_peak, build_peak, train_peak),
         "peak_resets": hwm_reset,
-        "end_rss_kib": _current_rss_kib(),
+        "end_rss_kib": m.current_rss_kib(),
         "n_params_local": sum(p.numel() for p in model.parameters()),
         "comm": comm,
         "memory_report": engine.memory_report() if engine is not None else None,
@@ -200,9 +177,7 @@ def _rank_main(rank: int, cfg: dict) -> None:
     Path(cfg["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
-# glibc settings of the memory pass: every allocation over 256 KiB is its own mmap and
-# is unmapped on free, so RSS follows live tensor bytes instead of the heap's history.
-LIVE_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "262144", "MALLOC_TRIM_THRESHOLD_": "262144"}
+LIVE_MALLOC_ENV = m.LIVE_MALLOC_ENV  # the memory pass's malloc settings (see _measure)
 
 
 def _run_job(
@@ -216,16 +191,8 @@ def _run_job(
 ) -> list[dict]:
     import torch.multiprocessing as mp
 
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # spawned ranks inherit it; glibc reads it at start-up
-    try:
+    with m.environment(env):  # spawned ranks inherit it; glibc reads it at start-up
         return _spawn(strategy, args, profile, steps or args.steps, warmup or args.warmup, mp)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _spawn(strategy, args, profile, steps, warmup, mp) -> list[dict]:
@@ -257,27 +224,13 @@ def _spawn(strategy, args, profile, steps, warmup, mp) -> list[dict]:
 
 def _memory(jobs: list[list[dict]]) -> dict:
     """Per-rank peaks in MiB, max over jobs (see ``_rank_main`` for the three phases)."""
-
-    def per_rank(fn) -> list[float]:
-        return [max(fn(job[r]) for job in jobs) / 1024 for r in range(WORLD_SIZE)]
-
-    return {
-        "peak_rss_mib_per_rank": per_rank(lambda r: r["peak_rss_kib"]),
-        "growth_over_import_mib_per_rank": per_rank(
-            lambda r: max(r["build_peak_kib"], r["train_peak_kib"]) - r["import_rss_kib"]
-        ),
-        "train_peak_rss_mib_per_rank": per_rank(lambda r: r["train_peak_kib"]),
-        "train_growth_mib_per_rank": per_rank(
-            lambda r: r["train_peak_kib"] - r["train_start_rss_kib"]
-        ),
-        "import_rss_mib_per_rank": per_rank(lambda r: r["import_rss_kib"]),
-    }
+    return m.memory_summary(jobs, WORLD_SIZE)
 
 
 def _summarize(strategy: str, jobs: list[list[dict]], mem_jobs: list[list[dict]], steps: int):
     step_times = []  # the slower rank's time, per measured step, all rounds
     for job in jobs:
-        step_times += [max(ts) for ts in zip(*(r["step_times_s"] for r in job))]
+        step_times += m.slower_rank_times(job)
     summary = {
         "strategy": strategy,
         "median_step_s": statistics.median(step_times),
@@ -292,31 +245,9 @@ def _summarize(strategy: str, jobs: list[list[dict]], mem_jobs: list[list[dict]]
     }
     comm = jobs[0][0]["comm"]
     if comm is not None:
-        summary["comm_per_step"] = {
-            kind: {"calls": comm["calls"][kind] / steps, "bytes": comm["bytes"][kind] / steps}
-            for kind in sorted(comm["calls"])
-        }
+        summary["comm_per_step"] = m.comm_per_step(comm, steps)
         summary["memory_report"] = jobs[0][0]["memory_report"]
     return summary
-
-
-def _fmt_comm(comm: dict | None) -> str:
-    if not comm:
-        return "-"
-    parts = [f"{kind} {c['calls']:g}x / {c['bytes'] / 2**20:.1f} MiB" for kind, c in comm.items()]
-    return "; ".join(parts)
-
-
-def _ratio(value: float | None, goal: float | None) -> str:
-    if value is None:
-        return "-"
-    if goal is None:
-        return f"{value:.2f}x"
-    return f"{value:.2f}x ({'met' if value <= goal else 'MISSED'}, goal <= {goal:.2f}x)"
-
-
-def _pair(values: list[float]) -> str:
-    return " / ".join(f"{v:.0f}" for v in values)
 
 
 def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
@@ -324,12 +255,19 @@ def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
     ddp, fsdp = summaries.get("ddp"), summaries.get("fsdp2")
     live = all(s["memory_pass"] for s in summaries.values())
     mem_key = "memory_pass" if live else "timing_runs_memory"
-    lines = [
-        "| strategy | median step (s) | tokens/s | peak RSS/rank, timing runs (MiB)"
-        " | peak RSS/rank, memory pass (MiB) | growth over import, memory pass (MiB)"
-        " | step vs DDP | step vs FSDP2 | peak RSS vs FSDP2 | collectives/step (rank 0) |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|---|",
+    header = [
+        "strategy",
+        "median step (s)",
+        "tokens/s",
+        "peak RSS/rank, timing runs (MiB)",
+        "peak RSS/rank, memory pass (MiB)",
+        "growth over import, memory pass (MiB)",
+        "step vs DDP",
+        "step vs FSDP2",
+        "peak RSS vs FSDP2",
+        "collectives/step (rank 0)",
     ]
+    rows = []
     for name, s in summaries.items():
         step = s["median_step_s"]
         ours = name.startswith("yafsdp")
@@ -338,17 +276,21 @@ def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
         vs_fsdp = step / fsdp["median_step_s"] if fsdp else None
         mem_fsdp = peak / max(fsdp[mem_key]["peak_rss_mib_per_rank"]) if fsdp else None
         mp_ = s["memory_pass"]
-        lines.append(
-            f"| {name} | {step:.3f} | {tokens_per_step / step:,.0f} | "
-            f"{_pair(s['timing_runs_memory']['peak_rss_mib_per_rank'])} | "
-            f"{_pair(mp_['peak_rss_mib_per_rank']) if mp_ else '-'} | "
-            f"{_pair(mp_['growth_over_import_mib_per_rank']) if mp_ else '-'} | "
-            f"{_ratio(vs_ddp, GOAL_STEP_VS_DDP if ours else None)} | "
-            f"{_ratio(vs_fsdp, GOAL_STEP_VS_FSDP2 if ours else None)} | "
-            f"{_ratio(mem_fsdp, GOAL_MEM_VS_FSDP2 if ours else None)} | "
-            f"{_fmt_comm(s.get('comm_per_step'))} |"
+        rows.append(
+            [
+                name,
+                f"{step:.3f}",
+                f"{tokens_per_step / step:,.0f}",
+                m.pair(s["timing_runs_memory"]["peak_rss_mib_per_rank"]),
+                m.pair(mp_["peak_rss_mib_per_rank"]) if mp_ else "-",
+                m.pair(mp_["growth_over_import_mib_per_rank"]) if mp_ else "-",
+                m.ratio(vs_ddp, GOAL_STEP_VS_DDP if ours else None),
+                m.ratio(vs_fsdp, GOAL_STEP_VS_FSDP2 if ours else None),
+                m.ratio(mem_fsdp, GOAL_MEM_VS_FSDP2 if ours else None),
+                m.fmt_comm(s.get("comm_per_step")),
+            ]
         )
-    return "\n".join(lines)
+    return m.markdown_table(header, rows, "lrrrrrllll")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,32 +327,27 @@ def main(argv: list[str] | None = None) -> int:
         if s not in STRATEGIES:
             parser.error(f"unknown strategy {s!r}; choose from {', '.join(STRATEGIES)}")
 
-    import torch
-
     header = (
         f"model={args.model} batch={args.batch}/rank seq={args.seq} world_size={WORLD_SIZE} "
         f"backend=gloo device=cpu dtype=fp32 torch.set_num_threads({args.threads}) per rank, "
         f"steps={args.steps} warmup={args.warmup} rounds={args.rounds}; "
-        f"torch {torch.__version__}, Python {platform.python_version()}, "
-        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()})"
+        f"{m.platform_line()}"
     )
     print(header, flush=True)
 
     if args.profile:
         results = _run_job(args.profile, args, profile=True)
-        times = [max(ts) for ts in zip(*(r["step_times_s"] for r in results))]
-        print(f"{args.profile}: median step {statistics.median(times):.3f} s (profiled)")
+        print(f"{args.profile}: median step {m.median_step(results):.3f} s (profiled)")
         print(results[0]["profile_table"])
         return 0
 
     jobs: dict[str, list[list[dict]]] = {s: [] for s in strategies}
-    for rnd in range(args.rounds):
-        order = strategies[rnd % len(strategies) :] + strategies[: rnd % len(strategies)]
+    for rnd, order in m.rotations(strategies, args.rounds):
         for strategy in order:
             t0 = time.perf_counter()
             results = _run_job(strategy, args)
             jobs[strategy].append(results)
-            med = statistics.median(max(ts) for ts in zip(*(r["step_times_s"] for r in results)))
+            med = m.median_step(results)
             print(
                 f"  round {rnd + 1}/{args.rounds} {strategy:10s} median step {med:.3f} s "
                 f"(job {time.perf_counter() - t0:.0f} s)",
@@ -437,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "ru_maxrss/VmHWM of each rank process (rank 0 / rank 1, max over jobs). Timing runs "
         "use the default glibc malloc, whose heap keeps freed memory, so their RSS grows "
         "with the step count; the memory pass (1 job per strategy, 1+2 steps) runs with "
-        f"{' '.join(f'{k}={v}' for k, v in LIVE_MALLOC_ENV.items())} so RSS follows live "
+        f"{m.live_malloc_note()} so RSS follows live "
         "tensor bytes; the memory goal is judged on it (when run). Growth over import = "
         "peak minus the RSS after imports + init_process_group. Collectives: per step, "
         "rank 0, bytes = gathered/unreduced size (CommStats)."
@@ -450,9 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 k: v for k, v in vars(args).items() if k not in ("json_path", "profile", "trace")
             },
             "header": header,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
+            **m.platform_info(),
             "tokens_per_step": tokens_per_step,
             "goals": {
                 "step_vs_ddp": GOAL_STEP_VS_DDP,
@@ -462,8 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             "summaries": summaries,
             "table_markdown": table,
         }
-        Path(args.json_path).write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.json_path}")
+        m.write_json(args.json_path, payload)
     return 0
 
 
