@@ -41,15 +41,15 @@ def test_version(capsys) -> None:
     assert __version__ in capsys.readouterr().out
 
 
-def test_help_lists_commands_and_planned_ones(capsys) -> None:
+def test_help_lists_every_command(capsys) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
     for command in ("train", "estimate", "prepare", "export", "inspect"):
         assert command in out
-    assert "planned commands" in out
+    assert "planned" not in out
 
 
-@pytest.mark.parametrize("command", ["train", "estimate", "prepare"])
+@pytest.mark.parametrize("command", ["train", "estimate", "prepare", "export", "inspect"])
 def test_each_command_has_help(command: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])
@@ -57,11 +57,15 @@ def test_each_command_has_help(command: str, capsys) -> None:
     assert f"yafsdp {command}" in capsys.readouterr().out
 
 
-def test_planned_command_says_so(capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["export"])
-    assert exit_info.value.code == 2
-    assert "planned" in capsys.readouterr().err
+def test_inspect_of_a_directory_that_is_not_a_checkpoint_fails_clearly(tmp_path, capsys) -> None:
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "yafsdp inspect:" in capsys.readouterr().err
+
+
+def test_export_of_a_missing_path_fails_clearly(tmp_path, capsys) -> None:
+    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "out")]) == 2
+    assert "yafsdp export:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 # -- config errors ----------------------------------------------------------------------------

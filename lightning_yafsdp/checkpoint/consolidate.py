@@ -152,7 +152,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ``world_size`` (ranks that wrote it; None for foreign full files),
         ``parameter_count`` (elements of the unique trainable parameters, or of
         every floating tensor in the weights when unknown), ``num_tensors``,
-        ``num_optimizers``, ``size_bytes`` (on disk).
+        ``tensor_names`` (weights), ``num_optimizers``, ``size_bytes`` (on disk).
     """
     path = Path(path)
     if path.is_file():
@@ -185,6 +185,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             sum(md.size.numel() for md in model.values() if md.properties.dtype.is_floating_point),
         ),
         "num_tensors": len(model),
+        "tensor_names": sorted(model),
         "num_optimizers": info.get("num_optimizers", len(optimizers)),
         "size_bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
     }
@@ -239,6 +240,7 @@ def _inspect_file(path: Path) -> dict[str, Any]:
             ),
         ),
         "num_tensors": len(model),
+        "tensor_names": sorted(model),
         "num_optimizers": len(optimizers),
         "size_bytes": path.stat().st_size,
     }

@@ -1,7 +1,6 @@
 """Entry point of the ``yafsdp`` command (also ``python -m lightning_yafsdp``).
 
-Commands: ``train``, ``estimate``, ``prepare``. ``export`` and ``inspect`` arrive
-with sharded checkpoints and are listed in the help as planned.
+Commands: ``train``, ``estimate``, ``prepare``, ``export``, ``inspect``.
 
 Every command validates its recipe and overrides before anything heavy runs (no
 process is started for a bad config); errors print one message and exit 2.
@@ -15,8 +14,7 @@ import warnings
 from collections.abc import Sequence
 
 from lightning_yafsdp import __version__
-
-_PLANNED_COMMANDS = ("export", "inspect")
+from lightning_yafsdp.cli.checkpoints import add_checkpoint_commands, run_export, run_inspect
 
 _EPILOG = """\
 examples:
@@ -24,10 +22,8 @@ examples:
   yafsdp train recipes/llama-1b.yaml trainer.devices=8 optim.lr=3e-4
   yafsdp estimate llama3-8b trainer.devices=8
   yafsdp prepare --source text --path corpus/ --output data/corpus.bin
-
-planned commands (not available in this version):
-  export    consolidate a sharded checkpoint into a plain state dict / safetensors
-  inspect   show the sharding layout of a model or checkpoint
+  yafsdp inspect runs/tiny-cpu-<time>/checkpoints/last.ckpt
+  yafsdp export runs/tiny-cpu-<time>/checkpoints/last.ckpt exported/ --format safetensors
 """
 
 _OVERRIDES_HELP = (
@@ -89,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a local HF tokenizer dir")
     prep.add_argument("--jsonl-field", default="text", help="JSON key holding the text")
     prep.add_argument("--max-bytes", type=int, default=1 << 40, help="cap on text read (bytes)")
+    add_checkpoint_commands(commands)
     return parser
 
 
@@ -119,11 +116,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _PLANNED_COMMANDS:
-        parser.error(
-            f"'{argv[0]}' is planned but not available in version {__version__}; "
-            "see 'yafsdp --help'"
-        )
     # parse_known_args: overrides may also follow options (`train RECIPE --quiet a=1`).
     options, unknown = parser.parse_known_args(argv)
     late_overrides = [u for u in unknown if "=" in u and not u.startswith("-")]
@@ -142,6 +134,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(options)
         if options.command == "estimate":
             return _estimate(options)
+        if options.command == "export":
+            return run_export(options)
+        if options.command == "inspect":
+            return run_inspect(options)
         return _prepare(options)
     except ConfigError as err:
         print(f"yafsdp {options.command}: config error: {err}", file=sys.stderr)
