@@ -28,11 +28,11 @@ def register_when_lightning_loads() -> None:
 
 
 def _register() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_yafsdp.strategy import YaFSDPStrategy
-
-    YaFSDPStrategy.register_strategies(StrategyRegistry)
+    # strategy.py registers itself when it finishes loading. If it is loading right now
+    # (``from lightning_yafsdp import YaFSDPStrategy`` is what imported Lightning), it is
+    # already in sys.modules, half-initialized: importing it here would be circular.
+    if "lightning_yafsdp.strategy" not in sys.modules:
+        import lightning_yafsdp.strategy  # noqa: F401
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

@@ -17,17 +17,19 @@ Trainer calls the hooks below:
    ``self.parameters()`` in ``configure_optimizers`` yields the master shards.
 6. Training: the engine's hooks gather and reduce; the precision plugin clips through
    the engine; Lightning's own accumulation and ``zero_grad`` need nothing extra.
-
-Checkpoints are not implemented yet (sharded save/load is planned): saving raises with
-what to do instead.
+7. Checkpoints: ``trainer.save_checkpoint``, ``ModelCheckpoint`` and ``fit(ckpt_path=...)``
+   go through :mod:`lightning_yafsdp.checkpoint` (sharded DCP directories by default,
+   or one full file); the weights and optimizer states are loaded right after ``setup``.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -40,13 +42,13 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
     MixedPrecision,
     Precision,
 )
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -56,6 +58,14 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_yafsdp.checkpoint import (
+    full_model_state_dict,
+    full_optimizer_state_dict,
+    load_lightning_checkpoint,
+    save_lightning_checkpoint,
+    sharded_model_state_dict,
+    sharded_optimizer_state_dict,
+)
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.precision import YaFSDPPrecision
@@ -78,7 +88,6 @@ _MIGRATION_HINTS = {
     "block class or a predicate (index, name) -> bool)",
     "device_mesh": "nothing: one flat data-parallel group (no hybrid sharding yet)",
     "cpu_offload": "nothing: CPU offload is not supported; try precision='bf16-true'",
-    "state_dict_type": "nothing yet: sharded checkpoints are not implemented",
     "data_parallel_size": "nothing: every rank is a data-parallel rank",
     "tensor_parallel_size": "nothing: tensor parallelism is not supported",
 }
@@ -115,6 +124,17 @@ class YaFSDPStrategy(ParallelStrategy):
         timeout: Collective timeout of the process group: if a rank dies, the others
             raise after at most this long instead of hanging. Default 30 minutes.
         process_group_backend: ``"gloo"`` / ``"nccl"``; default from the device.
+        state_dict_type: How ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write.
+            ``"sharded"`` (default): a directory at the checkpoint path (a
+            ``torch.distributed.checkpoint`` layout under the original parameter names
+            plus ``meta.pt``) to which every rank writes its own elements; loadable at
+            any world size and by Lightning's ``consolidate_checkpoint`` utility.
+            ``"full"``: one ``torch.save`` file written by rank 0, gathered one unit at
+            a time, that ``LightningModule.load_from_checkpoint`` reads directly. Both
+            kinds, and single-file checkpoints of other strategies (DDP), load with
+            ``fit(ckpt_path=...)`` whatever this is set to. Saves are atomic. The
+            strategy writes and reads checkpoints itself: ``checkpoint_io`` plugins and
+            ``storage_options`` are not used.
 
     Raises:
         TypeError: for an argument this strategy does not take (with the replacement
@@ -136,6 +156,7 @@ class YaFSDPStrategy(ParallelStrategy):
         cast_forward_inputs: bool = True,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -147,6 +168,10 @@ class YaFSDPStrategy(ParallelStrategy):
             raise TypeError(_unknown_arguments_message(unknown))
         if zero_stage not in (2, 3):
             raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(
+                f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}"
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -165,6 +190,7 @@ class YaFSDPStrategy(ParallelStrategy):
         self._cast_forward_inputs = cast_forward_inputs
         self._timeout = timeout
         self._process_group_backend = process_group_backend
+        self._state_dict_type = state_dict_type
         self._engine: YaFSDPEngine | None = None
 
     @classmethod
@@ -287,7 +313,6 @@ class YaFSDPStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _reject_full_checkpoints(trainer)
         self._engine = self._shard(self.lightning_module)
         self.precision_plugin.connect_engine(self._engine)
         use_sharded_summaries(trainer)
@@ -361,21 +386,81 @@ class YaFSDPStrategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
-    # -- checkpoints (not yet) --------------------------------------------------------------
+    # -- checkpoints --------------------------------------------------------------------
+    # trainer.save_checkpoint builds Lightning's dict on every rank from the two state
+    # hooks below (sharded FlatRanges, or full tensors on rank 0), and save_checkpoint
+    # hands it to lightning_yafsdp.checkpoint, which writes a DCP directory + meta.pt (or
+    # one file) atomically. Loading happens after setup (restore_checkpoint_after_setup):
+    # load_checkpoint copies weights and optimizer states straight into the shards and
+    # returns the rest (loops, schedulers, callbacks) for Lightning to restore; Lightning's
+    # own model/optimizer restore steps are no-ops here.
+
+    @property
+    def state_dict_type(self) -> Literal["sharded", "full"]:
+        return self._state_dict_type
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(_CHECKPOINT_MESSAGE)
+        # Collective: Lightning calls it on every rank. "full" leaves {} on ranks != 0.
+        if self._state_dict_type == "full":
+            return full_model_state_dict(self.engine)
+        return sharded_model_state_dict(self.engine)
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if self._state_dict_type == "full":
+            return full_optimizer_state_dict(self.engine, optimizer)
+        return sharded_optimizer_state_dict(self.engine, optimizer)
 
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        raise NotImplementedError(_CHECKPOINT_MESSAGE)
+        if storage_options is not None:
+            raise TypeError(
+                "YaFSDPStrategy writes checkpoints itself and does not use CheckpointIO "
+                "storage_options; call trainer.save_checkpoint(path) without them"
+            )
+        save_lightning_checkpoint(
+            checkpoint,
+            self.broadcast(filepath),  # every rank must write to rank 0's path
+            engine=self.engine,
+            state_dict_type=self._state_dict_type,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        raise NotImplementedError(_CHECKPOINT_MESSAGE)
+        # Only a fit restores optimizer states; validate/test/predict after a fit keep
+        # the fit's optimizers around, which must not be touched (or counted).
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return load_lightning_checkpoint(
+            self.broadcast(checkpoint_path),
+            engine=self.engine,
+            optimizers=self.optimizers if fitting else (),
+            strict=self.lightning_module.strict_loading,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Already loaded into the shards by load_checkpoint.
+        pass
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        # Already loaded by load_checkpoint.
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # ModelCheckpoint's top-k and last-checkpoint rotation: sharded checkpoints are
+        # directories; a "last" link is removed as a link, never through it.
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
 
     # -- the end ---------------------------------------------------------------------------
 
@@ -389,13 +474,6 @@ class YaFSDPStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-
-_CHECKPOINT_MESSAGE = (
-    "YaFSDPStrategy cannot save or load Lightning checkpoints yet (sharded checkpoints are "
-    "planned). Pass Trainer(enable_checkpointing=False); to export the trained weights, call "
-    "trainer.strategy.engine.full_state_dict() on every rank (original names, full shapes)."
-)
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -426,20 +504,9 @@ def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
     lines.append(
         "Valid arguments: units, norm_classes, zero_stage, reduce_dtype, "
         "activation_checkpointing, param_init_fn, sync_module_states, cast_forward_inputs, "
-        "timeout, process_group_backend (see docs/user-guide.md)."
+        "timeout, process_group_backend, state_dict_type (see docs/user-guide.md)."
     )
     return "\n".join(lines)
-
-
-def _reject_full_checkpoints(trainer: pl.Trainer) -> None:
-    # Fail before training, not after the first epoch when ModelCheckpoint first saves.
-    if trainer.state.fn == TrainerFn.FITTING and any(
-        isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks
-    ):
-        raise NotImplementedError(
-            "Trainer has a ModelCheckpoint callback (enable_checkpointing=True is the default), "
-            "but " + _CHECKPOINT_MESSAGE.removeprefix("YaFSDPStrategy ")
-        )
 
 
 def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
@@ -480,3 +547,7 @@ def _check_still_sharded(module: nn.Module, engine: YaFSDPEngine) -> None:
             "idempotent: return early when the model exists, e.g. "
             "`if self.model is not None: return`."
         )
+
+
+# Loading this module registers the strategy (see lightning_yafsdp/_registration.py).
+YaFSDPStrategy.register_strategies(_StrategyRegistry)

@@ -65,7 +65,12 @@ def test_version_is_the_one_in_pyproject():
 
 
 def test_strategy_is_registered_whichever_is_imported_first():
-    for order in ("import lightning_yafsdp, lightning", "import lightning, lightning_yafsdp"):
+    orders = (
+        "import lightning_yafsdp, lightning",
+        "import lightning, lightning_yafsdp",
+        "from lightning_yafsdp import YaFSDPStrategy\nimport lightning",
+    )
+    for order in orders:
         probe = (
             f"{order}\n"
             "from lightning.pytorch.strategies import StrategyRegistry\n"

@@ -182,13 +182,15 @@ class _MemoryLogger(Logger):
         pass
 
 
-def _loops_run() -> dict:
+def _loops_run(root: str) -> dict:
     facts: dict = {}
-    # Checkpointing is not implemented yet: the default ModelCheckpoint fails fast.
-    try:
-        _trainer("yafsdp", enable_checkpointing=True).fit(CausalLMModule(), token_loader(8))
-    except NotImplementedError as err:
-        facts["checkpoint_error"] = str(err)
+    # Lightning's default ModelCheckpoint writes a sharded checkpoint directory.
+    _trainer("yafsdp", enable_checkpointing=True, default_root_dir=root).fit(
+        CausalLMModule(), token_loader(8)
+    )
+    torch.distributed.barrier()  # rank 0 may still be removing the older checkpoints
+    checkpoints = Path(root, "checkpoints")
+    facts["checkpoints"] = {p.name: sorted(os.listdir(p)) for p in checkpoints.iterdir()}
 
     model = CausalLMModule(build="configure_model")
     throughput = ThroughputMonitor(
@@ -235,13 +237,17 @@ def _loops_run() -> dict:
 
 
 @pytest.fixture(scope="module")
-def loops() -> list[dict]:
-    return dist_run(2, _loops_run, timeout_s=240)
+def loops(tmp_path_factory) -> list[dict]:
+    return dist_run(2, _loops_run, str(tmp_path_factory.mktemp("loops")), timeout_s=240)
 
 
-def test_default_model_checkpoint_fails_before_training_with_the_fix(loops):
+def test_default_model_checkpoint_writes_a_sharded_checkpoint_directory(loops):
+    # 8 rows, 2 ranks, batch 2, accumulation 2: six one-step epochs, each saved; the
+    # default save_top_k=1 removed the five older directories.
     for facts in loops:
-        assert "enable_checkpointing=False" in facts["checkpoint_error"]
+        assert list(facts["checkpoints"]) == ["epoch=5-step=6.ckpt"]
+        files = facts["checkpoints"]["epoch=5-step=6.ckpt"]
+        assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= set(files)
 
 
 def test_distributed_sampler_gives_each_rank_its_own_rows(loops):

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning_yafsdp.checkpoint.errors import CheckpointSaveError
 
 TMP_SUFFIX = ".yafsdp-tmp"
+DCP_METADATA_FILENAME = ".metadata"  # what makes a directory a sharded checkpoint
 OLD_SUFFIX = ".yafsdp-old"
 
 # Test hook: called on every rank after the checkpoint's files are written into
@@ -174,11 +175,28 @@ def fsync_tree(path: Path) -> None:
 def _prepare(path: Path, tmp: Path, *, directory: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     recover(path)
+    _refuse_to_replace_a_foreign_directory(path)
     _remove(tmp)  # left by a save that died
     if old_path_for(path).exists():  # left by a save that died after its commit
         _remove(old_path_for(path))
     if directory:
         tmp.mkdir()
+
+
+def _refuse_to_replace_a_foreign_directory(path: Path) -> None:
+    # A commit replaces whatever is at ``path``; a directory holding anything but a
+    # sharded checkpoint (e.g. trainer.save_checkpoint("outputs")) would be deleted.
+    if (
+        path.is_dir()
+        and not path.is_symlink()
+        and any(path.iterdir())
+        and not (path / DCP_METADATA_FILENAME).is_file()
+    ):
+        raise IsADirectoryError(
+            f"{str(path)!r} is a directory that is not a sharded checkpoint; saving there "
+            "would replace everything in it. Pass a new path (e.g. a file name inside it) "
+            "or remove the directory first"
+        )
 
 
 def _commit(tmp: Path, path: Path) -> None:
