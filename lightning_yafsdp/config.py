@@ -260,7 +260,7 @@ class TrainerConfig:
     logger: str = "csv"
     output_dir: str = "runs"
     run_name: str | None = None
-    checkpoint_every_n_steps: int = 0
+    checkpoint_every_n_steps: int = 150
     seed: int = 1234
     progress_bar: bool = True
 
