@@ -83,9 +83,10 @@ def _build_hf(config: RunConfig) -> nn.Module:
         # Real weights: built on the CPU whatever the surrounding context (a meta
         # context would drop them); the strategy moves and shards them.
         with torch.device("cpu"):
-            return AutoModelForCausalLM.from_pretrained(
+            model = AutoModelForCausalLM.from_pretrained(
                 path, config=hf_config, local_files_only=True, dtype=torch.float32
             )
+        return model.train()  # from_pretrained returns eval mode; we are here to train
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
 
 
