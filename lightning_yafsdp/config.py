@@ -419,12 +419,17 @@ class PracticesConfig:
         dropout: Dropout probability; 0 (off) when data is plentiful (+15% speed).
         fp32_loss: Softmax/cross-entropy of the logits in fp32. Norm statistics and
             the attention softmax are fp32 in the reference model regardless.
+        fp32_residual: Keep the residual stream (every residual addition) in fp32
+            while weights and matmuls stay bf16 (reference Llama only). The strategy
+            then leaves unit inputs uncast (``cast_forward_inputs=False``). Costs fp32
+            activations between blocks; no effect under ``32-true``.
         curriculum, thermometers, divergence_guard: see their sections.
     """
 
     embedding_norm: bool = False
     dropout: float = 0.0
     fp32_loss: bool = True
+    fp32_residual: bool = False
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     thermometers: ThermometerConfig = field(default_factory=ThermometerConfig)
     divergence_guard: DivergenceGuardConfig = field(default_factory=DivergenceGuardConfig)
@@ -461,6 +466,12 @@ class RunConfig:
                     f"practices.curriculum.start_batch_size={start_batch} exceeds "
                     f"data.batch_size={self.data.batch_size}"
                 )
+        if self.practices.fp32_residual and self.model.kind != "llama":
+            raise ConfigError(
+                "practices.fp32_residual is only available for the reference model "
+                f"(model.kind='llama'), not model.kind={self.model.kind!r}: set it to false "
+                "or train the reference Llama"
+            )
         if self.strategy.name != "yafsdp" and self.strategy.activation_checkpointing != "none":
             raise ConfigError("strategy.activation_checkpointing needs strategy.name='yafsdp'")
         if self.strategy.name == "ddp" and self.practices.divergence_guard.enabled:

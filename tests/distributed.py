@@ -328,9 +328,33 @@ def _run_fn(
         timeout=timedelta(seconds=config.timeout_s),
     )
     result = fn(*args, **kwargs)
-    if dist.is_initialized():  # fn may have destroyed it itself
-        dist.destroy_process_group()
+    _orderly_shutdown(config)
     return result
+
+
+def _orderly_shutdown(config: _RankConfig) -> None:
+    """Let no rank close its sockets while another still holds a live gloo group.
+
+    A gloo context whose peer's process has exited aborts (SIGABRT, "terminate called
+    without an active exception") when it notices the closed connection. So: free what
+    fn left behind (reference cycles may hold the group), wait for every rank, destroy,
+    then wait on a separate FileStore until every rank has destroyed its group.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():  # fn may have destroyed it itself
+        dist.barrier()
+        dist.destroy_process_group()
+    gc.collect()
+    exit_path = config.init_method.removeprefix("file://") + ".exit"
+    store = dist.FileStore(exit_path, config.world_size)
+    store.add("exited", 1)
+    deadline = time.time() + 60
+    while store.add("exited", 0) < config.world_size and time.time() < deadline:
+        time.sleep(0.01)
 
 
 def _die_with_parent() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -99,7 +100,7 @@ class YaFSDPEngine:
         self._weights_stale = True
         self._seen_master_versions: tuple[int, ...] = ()
         self._backward_started = False
-        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._optimizer_hook = _register_weak_step_hook(self)
 
     # -- what the optimizer sees -------------------------------------------------
 
@@ -375,3 +376,22 @@ class YaFSDPEngine:
             handle.remove()
         for unit in self.units:
             unit.remove_hooks()
+
+
+def _register_weak_step_hook(engine: YaFSDPEngine):
+    """A global optimizer step hook that does not keep ``engine`` (and its process group) alive.
+
+    torch keeps global hooks forever; a strong reference would pin every engine ever
+    built, and with it a process group that then outlives ``destroy_process_group``.
+    """
+    engine_ref = weakref.ref(engine)
+
+    def on_step(optimizer, args, kwargs) -> None:
+        alive = engine_ref()
+        if alive is None:
+            handle.remove()
+        else:
+            alive._on_optimizer_step(optimizer, args, kwargs)
+
+    handle = register_optimizer_step_post_hook(on_step)
+    return handle

@@ -97,6 +97,9 @@ class LlamaConfig:
             practice that damps early loss spikes in large runs. Defaults to False.
         dropout: Dropout probability on attention weights and on each residual branch;
             0.0 turns dropout off. Defaults to 0.0.
+        fp32_residual: Keep the residual stream in fp32 whatever the weights' dtype, a
+            YaLM-100B practice: bf16 weights and matmuls, fp32 residual additions; see
+            [Note: fp32 residual]. With fp32 weights it changes nothing. Defaults to False.
     """
 
     vocab_size: int = 256
@@ -111,6 +114,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     embedding_norm: bool = False
     dropout: float = 0.0
+    fp32_residual: bool = False
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -431,6 +435,21 @@ class FeedForward(nn.Module):
 
 
 # --------------------------------------------------------------------------- block
+#
+# [Note: fp32 residual] With ``fp32_residual`` the residual stream ``h`` is fp32 from the
+# embedding to the final norm, while every matmul still runs in the compute dtype:
+#
+# * ``Llama.forward`` casts the embedding output to fp32 and hands the blocks rotary
+#   tables in the embedding weight's dtype (the compute dtype), as without the flag;
+# * a block casts each norm output to the dtype of the weights it feeds (bf16 under
+#   bf16-true; fp32 under bf16-mixed, where autocast does the bf16 matmul) and adds
+#   the branch output back as ``h = h + out.float()``;
+# * the final norm output is cast to the output head's weight dtype.
+#
+# With fp32 weights every cast is a no-op, so the flag does not change the result.
+# Under the sharding engine, ``cast_forward_inputs=True`` would cast ``h`` to bf16 at
+# every block boundary: build it with ``cast_forward_inputs=False`` (the recipe runner
+# does so when ``practices.fp32_residual`` is on).
 
 
 class TransformerBlock(nn.Module):
@@ -450,10 +469,23 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
         self.residual_dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
+        self.fp32_residual = config.fp32_residual
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.fp32_residual:
+            return self._forward_fp32_residual(x, cos, sin)
         h = x + self.residual_dropout(self.attention(self.attention_norm(x), cos, sin))
         return h + self.residual_dropout(self.feed_forward(self.ffn_norm(h)))
+
+    def _forward_fp32_residual(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """Same block with an fp32 residual stream; see [Note: fp32 residual]."""
+        h = x.float()  # no-op unless something upstream cast the stream down
+        attn_in = self.attention_norm(h).to(self.attention.wq.weight.dtype)
+        h = h + self.residual_dropout(self.attention(attn_in, cos, sin)).float()
+        ffn_in = self.ffn_norm(h).to(self.feed_forward.w1.weight.dtype)
+        return h + self.residual_dropout(self.feed_forward(ffn_in)).float()
 
     def init_weights(self, *, std: float, residual_std: float) -> None:
         """Initialise this block's parameters in a fixed order (deterministic per seed)."""
@@ -511,12 +543,16 @@ class Llama(nn.Module):
                 "shorten the batch or build the model with a larger max_seq_len"
             )
         h = self.tok_embeddings(tokens)
+        cos, sin = self.rope(seq_len, h.dtype)  # compute dtype, even with fp32_residual
+        if self.config.fp32_residual:
+            h = h.float()  # see [Note: fp32 residual]
         if self.embedding_norm is not None:
             h = self.embedding_norm(h)
         h = self.embedding_dropout(h)
-        cos, sin = self.rope(seq_len, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin)  # called as a module so sharding hooks fire
+        if self.config.fp32_residual:
+            return self.output(self.norm(h).to(self.output.weight.dtype))
         return self.output(self.norm(h))
 
     def tie_weights(self) -> None:

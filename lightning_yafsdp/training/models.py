@@ -24,6 +24,7 @@ def llama_config(config: RunConfig) -> LlamaConfig:
         **model.llama_overrides(),
         embedding_norm=config.practices.embedding_norm,
         dropout=config.practices.dropout,
+        fp32_residual=config.practices.fp32_residual,
     )
 
 
