@@ -328,17 +328,19 @@ def _run_fn(
         timeout=timedelta(seconds=config.timeout_s),
     )
     result = fn(*args, **kwargs)
-    _orderly_shutdown(config)
+    _orderly_shutdown()
     return result
 
 
-def _orderly_shutdown(config: _RankConfig) -> None:
-    """Let no rank close its sockets while another still holds a live gloo group.
+def _orderly_shutdown() -> None:
+    """Destroy the gloo group and free it before the process exits.
 
-    A gloo context whose peer's process has exited aborts (SIGABRT, "terminate called
-    without an active exception") when it notices the closed connection. So: free what
-    fn left behind (reference cycles may hold the group), wait for every rank, destroy,
-    then wait on a separate FileStore until every rank has destroyed its group.
+    A gloo context still alive when the interpreter exits can abort the rank (SIGABRT,
+    "terminate called without an active exception") after its result was sent.
+    Reference cycles left by fn (engines, Trainers) may hold the group: collect them,
+    destroy, collect again. No collective and no wait on the other ranks here: after a
+    failed collective the group may be unusable, and a rank that lingers would delay
+    the others' "connection closed" error.
     """
     import gc
 
@@ -346,15 +348,8 @@ def _orderly_shutdown(config: _RankConfig) -> None:
 
     gc.collect()
     if dist.is_initialized():  # fn may have destroyed it itself
-        dist.barrier()
         dist.destroy_process_group()
     gc.collect()
-    exit_path = config.init_method.removeprefix("file://") + ".exit"
-    store = dist.FileStore(exit_path, config.world_size)
-    store.add("exited", 1)
-    deadline = time.time() + 60
-    while store.add("exited", 0) < config.world_size and time.time() < deadline:
-        time.sleep(0.01)
 
 
 def _die_with_parent() -> None:

@@ -387,11 +387,10 @@ def _register_weak_step_hook(engine: YaFSDPEngine):
     engine_ref = weakref.ref(engine)
 
     def on_step(optimizer, args, kwargs) -> None:
+        # A dead engine's hook stays a no-op: removing it here would mutate the dict
+        # torch is iterating over (engine.close() removes it properly).
         alive = engine_ref()
-        if alive is None:
-            handle.remove()
-        else:
+        if alive is not None:
             alive._on_optimizer_step(optimizer, args, kwargs)
 
-    handle = register_optimizer_step_post_hook(on_step)
-    return handle
+    return register_optimizer_step_post_hook(on_step)
