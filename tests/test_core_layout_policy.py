@@ -58,6 +58,71 @@ def test_auto_detects_hugging_face_decoder_layers() -> None:
     assert type(norm).__name__ == "LlamaRMSNorm" and is_norm_module(norm)
 
 
+def test_auto_detects_every_block_stack_of_an_encoder_decoder() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_heads=2, num_layers=2
+    )
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    assert [name for name, _ in find_units(model)] == [
+        "encoder.block.0",
+        "encoder.block.1",
+        "decoder.block.0",
+        "decoder.block.1",
+    ]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+
+class _SiblingBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4, 8)
+        self.block1, self.block2, self.block3 = _Block(), _Block(), _Block()
+        self.head = nn.Linear(8, 2)
+
+
+class _RootLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+
+def test_auto_detects_blocks_without_a_container() -> None:
+    assert [name for name, _ in find_units(_SiblingBlocks())] == ["block1", "block2", "block3"]
+    assert [name for name, _ in find_units(_RootLinears())] == ["fc1", "fc2"]
+    stack = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)
+    )
+    assert [name for name, _ in find_units(stack)] == ["0", "2", "4"]
+
+
+def test_a_module_listed_twice_in_a_stack_is_one_unit() -> None:
+    shared = _Block()
+    model = nn.Sequential(nn.ModuleList([shared, shared, _Block()]))
+    assert len(find_units(model)) == 2
+
+
+def test_a_model_without_blocks_is_refused_with_what_to_pass() -> None:
+    class Backbone(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mix = nn.Embedding(64, 32), nn.Linear(32, 32)
+
+    class Shared(nn.Module):  # one layer called several times, as in ALBERT
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.layer = Backbone(), _Block()
+
+    with pytest.raises(ValueError, match=r"could not auto-detect.*units=\['backbone', 'layer'\]"):
+        find_units(Shared())
+
+
 def test_units_can_be_chosen_by_class_names_or_predicate() -> None:
     model = Llama(LlamaConfig.from_name("tiny", n_layers=2))
     by_class = find_units(model, TransformerBlock)

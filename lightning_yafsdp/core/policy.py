@@ -32,23 +32,18 @@ def find_units(root: nn.Module, units: UnitsSpec = None) -> list[tuple[str, nn.M
 
     Args:
         root: the model being sharded.
-        units: None to auto-detect the repeated blocks; a module class or a
-            tuple/list of classes; a list of submodule names; or a predicate
-            ``(name, module) -> bool``. Only the outermost match is kept when
+        units: None to auto-detect the blocks (see [Note: auto-detected units]); a
+            module class or a tuple/list of classes; a list of submodule names; or a
+            predicate ``(name, module) -> bool``. Only the outermost match is kept when
             matches nest.
 
     Raises:
-        ValueError: if nothing matches, with what was looked for.
+        ValueError: if nothing matches, with what was looked for and what to pass.
     """
     if units is None:
-        found = _auto_detect_blocks(root)
+        found = auto_detect_units(root)
         if not found:
-            raise ValueError(
-                f"could not auto-detect the repeated blocks of {type(root).__name__}: no "
-                "nn.ModuleList/nn.Sequential of two or more modules of one class holds parameters. "
-                "Pass units= with the block class (e.g. units=MyBlock), a list of module names, "
-                "or a predicate (name, module) -> bool."
-            )
+            raise ValueError(_no_blocks_message(root))
         return found
     matcher = _matcher(root, units)
     found = []
@@ -83,21 +78,106 @@ def is_norm_module(module: nn.Module, norm_classes: NormSpec = None) -> bool:
     return bool(classes) and isinstance(module, classes)
 
 
-def _auto_detect_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    best: list[tuple[str, nn.Module]] = []
-    best_params = 0
+# [Note: auto-detected units]
+# Units are what a model repeats. In order, the first rule that finds anything wins:
+# 1. every outermost nn.ModuleList / nn.Sequential of two or more children of one class
+#    that hold parameters: ALL of them, not only the largest, so that an encoder-decoder
+#    (T5's encoder.block and decoder.block) or a vision tower beside a language model is
+#    sharded whole instead of staying in the resident root group on every rank;
+# 2. sibling modules of one class (two or more children of one parent, each holding
+#    parameters) that are blocks written by the user (``self.block1``, ``self.block2``),
+#    or any class when they are direct children of the root (``self.fc1``, ``self.fc2``);
+# 3. the parameter-holding children of the largest nn.Sequential (a plain stack of layers).
+# Rules 2 and 3 are guesses about code without a block container: they count only when
+# the units they find hold at least half of the model's parameters. Otherwise
+# auto-detection gives up and the error names what to pass.
+_FALLBACK_MIN_SHARE = 0.5
+
+
+def auto_detect_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The units the default policy picks for ``root`` (empty if none; see the note)."""
+    found = _outermost(_repeated_containers(root))
+    if found:
+        return found
+    total = _numel(root)
+    for rule in (_same_class_siblings, _plain_stack):
+        found = _outermost(rule(root))
+        if found and sum(_numel(m) for _, m in found) >= _FALLBACK_MIN_SHARE * total:
+            return found
+    return []
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _repeated_containers(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    found = []
     for name, container in root.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < 2:
             continue
         children = list(container.named_children())
-        if len({type(child) for _, child in children}) != 1:
+        if len({type(child) for _, child in children}) != 1 or not _numel(container):
             continue
-        params = sum(p.numel() for p in container.parameters())
-        if params > best_params:
-            prefix = f"{name}." if name else ""
-            best = [(prefix + child_name, child) for child_name, child in children]
-            best_params = params
-    return best
+        found.extend((_join(name, child_name), child) for child_name, child in children)
+    return found
+
+
+def _same_class_siblings(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    found = []
+    for name, parent in root.named_modules():
+        by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+        for child_name, child in parent.named_children():
+            if _numel(child):
+                by_class.setdefault(type(child), []).append((_join(name, child_name), child))
+        for cls, siblings in by_class.items():
+            user_block = not cls.__module__.startswith("torch.")
+            if len(siblings) >= 2 and (user_block or parent is root):
+                found.extend(siblings)
+    return found
+
+
+def _plain_stack(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    stacks = [(n, m) for n, m in root.named_modules() if isinstance(m, nn.Sequential)]
+    if not stacks:
+        return []
+    name, stack = max(stacks, key=lambda item: _numel(item[1]))
+    layers = [(_join(name, n), child) for n, child in stack.named_children() if _numel(child)]
+    return layers if len(layers) >= 2 else []
+
+
+def _outermost(candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Drop candidates nested in other candidates and repeats of one module; keep order."""
+    names = [name for name, _ in candidates]
+    kept, seen = [], set()
+    for name, module in candidates:
+        nested = any(name.startswith(other + ".") for other in names)
+        if not nested and id(module) not in seen:
+            seen.add(id(module))
+            kept.append((name, module))
+    return kept
+
+
+def _no_blocks_message(root: nn.Module) -> str:
+    children = sorted(
+        ((name, _numel(child)) for name, child in root.named_children() if _numel(child)),
+        key=lambda item: -item[1],
+    )
+    listed = ", ".join(f"{name!r} ({numel:,} parameters)" for name, numel in children[:6])
+    suggestion = [name for name, _ in children]
+    return (
+        f"could not auto-detect the blocks of {type(root).__name__}: no nn.ModuleList/"
+        "nn.Sequential of two or more modules of one class, no repeated sibling blocks and no "
+        "plain nn.Sequential stack holds most of its parameters. Its parameter-holding children "
+        f"are {listed or 'none'}. Pass units= naming the modules to gather one at a time, "
+        f"e.g. units={suggestion!r} (module names as in model.named_modules()), a block "
+        "class (units=MyBlock, e.g. a layer that is called several times), or a predicate "
+        "(name, module) -> bool."
+    )
 
 
 def _matcher(root: nn.Module, units: UnitsSpec) -> UnitPredicate:
