@@ -10,10 +10,14 @@ Trainer calls the hooks below:
    ``precision_plugin`` setter and becomes a :class:`YaFSDPPrecision`.
 2. ``_configure_launcher`` / ``set_world_ranks``: processes and ranks, as DDP does.
 3. ``setup_environment``: the process group (gloo on CPU, nccl on CUDA).
-4. ``configure_model`` runs inside ``tensor_init_context``: on the meta device, so
-   modules built there cost no memory.
-5. ``setup``: the LightningModule is sharded in place (meta modules are materialized,
-   initialized and sharded one unit at a time); then the optimizers are built, so
+4. ``configure_model`` runs inside ``model_sharded_context``: on the meta device, so
+   modules built there cost no memory (``from_pretrained`` too: its weights are read
+   group by group in ``setup``). ``trainer.init_module()`` builds real tensors unless
+   ``empty_init=True``, as with FSDPStrategy.
+5. ``setup``: with ``sync_batchnorm=True`` BatchNorm layers become SyncBatchNorm; the
+   LightningModule is sharded in place (meta modules are materialized, initialized and
+   sharded one unit at a time) and the rest of it (metrics, buffers) moved to the
+   root device, as DDP moves the model; then the optimizers are built, so
    ``self.parameters()`` in ``configure_optimizers`` yields the master shards.
 6. Training: the engine's hooks gather and reduce; the precision plugin clips through
    the engine; Lightning's own accumulation and ``zero_grad`` need nothing extra.
@@ -69,6 +73,7 @@ from lightning_yafsdp.checkpoint import (
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.precision import YaFSDPPrecision
+from lightning_yafsdp.pretrained import lazy_from_pretrained
 from lightning_yafsdp.summary import use_sharded_summaries
 
 if TYPE_CHECKING:
@@ -116,7 +121,9 @@ class YaFSDPStrategy(ParallelStrategy):
         param_init_fn: Initializes a module materialized from the meta device, called
             once per unit and per other module owning parameters or buffers, just
             before it is sharded. Default: the LightningModule's ``init_submodule(module)``
-            method if it has one, else ``reset_parameters()`` of every submodule.
+            method if it has one, else the model's own scheme: ``reset_parameters()``
+            and, inside a Hugging Face model, its ``_init_weights``. Anything left
+            uninitialized stops ``setup`` with an error naming it.
         sync_module_states: Broadcast rank 0's weights before sharding (for models whose
             initialization is not identical on every rank). Default False.
         cast_forward_inputs: Cast floating inputs of units to the compute dtype.
@@ -299,13 +306,25 @@ class YaFSDPStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        # [Note: meta-device configure_model] Modules built in configure_model (or under
-        # trainer.init_module()) land on the meta device and cost nothing; setup()
-        # materializes, initializes and shards them one unit at a time, so no rank ever
-        # holds the whole model. empty_init=False builds real tensors instead (e.g. to
-        # load pretrained weights in configure_model).
-        device = torch.device("meta") if empty_init is not False else nullcontext()
+        # As FSDPStrategy: trainer.init_module() builds real tensors (weights loaded there
+        # are kept) unless empty_init=True puts them on the meta device, where setup()
+        # materializes and initializes them group by group ([Note: meta-device
+        # configure_model] for configure_model, which model_sharded_context covers).
+        device = torch.device("meta") if empty_init else nullcontext()
         with device, self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        # [Note: meta-device configure_model] Lightning enters this (inside
+        # tensor_init_context) only around configure_model: modules built there land on
+        # the meta device and cost nothing; setup() materializes, initializes (the model's
+        # own scheme, core/materialize.py) and shards them one unit at a time, so no rank
+        # ever holds the whole model. from_pretrained builds on meta too and is loaded
+        # from its checkpoint one group at a time (lightning_yafsdp/pretrained.py).
+        # `with torch.device("cpu"):` inside configure_model builds real tensors instead.
+        with torch.device("meta"), lazy_from_pretrained():
             yield
 
     @override
@@ -313,13 +332,32 @@ class YaFSDPStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        _check_no_meta_metric_states(self.lightning_module)
+        self._apply_layer_sync()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _check_sync_batchnorm_device(self.lightning_module, self.root_device)
         self._engine = self._shard(self.lightning_module)
+        self.model_to_device()
         self.precision_plugin.connect_engine(self._engine)
         use_sharded_summaries(trainer)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _apply_layer_sync(self) -> None:
+        # [Note: sync_batchnorm] Trainer(sync_batchnorm=True) hands the strategy a LayerSync
+        # (BatchNorm -> SyncBatchNorm). As DDPStrategy and FSDPStrategy do, it is applied
+        # before the model is wrapped, here sharded: afterwards the modules own no
+        # parameters and cannot be swapped. So it is applied at the first setup of any
+        # stage (an eval-mode SyncBatchNorm does not synchronize: validate/test behave as
+        # BatchNorm) and not reverted in teardown, which keeps the sharded model for later
+        # stages; the state dict keys are the same either way.
+        module = self.lightning_module
+        if self._layer_sync is None or module.__dict__.get("_yafsdp_engine") is not None:
+            return
+        if self._layer_sync.apply(module) is not module:
+            raise RuntimeError("sync_batchnorm replaced the LightningModule itself")
 
     def _shard(self, module: pl.LightningModule) -> YaFSDPEngine:
         existing = module.__dict__.get("_yafsdp_engine")
@@ -353,8 +391,18 @@ class YaFSDPStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # Sharding places every tensor (setup); moving the sharded module is never needed.
-        pass
+        # [Note: non-parameter state on the root device] Sharding puts every parameter on
+        # the root device, but a model built in configure_model leaves what __init__
+        # created (torchmetrics states, registered buffers) where it was created. Called
+        # after sharding, this moves the LightningModule as DDP does: Module.to() keeps a
+        # tensor already on the device as it is, so the engine's shards and views stay.
+        assert self.model is not None
+        if self.engine.device != self.root_device:
+            raise RuntimeError(
+                f"the model was sharded on {self.engine.device} but the strategy runs on "
+                f"{self.root_device}; moving it would detach the shards from the engine"
+            )
+        self.model.to(self.root_device)
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -534,6 +582,37 @@ def _check_single_device(module: nn.Module) -> None:
             f"__init__ ({real[:3]}...); they cannot be sharded together. Build all of them in "
             "configure_model, or all of them with real tensors (in __init__, or in "
             "configure_model under `with torch.device('cpu'):`)."
+        )
+
+
+def _check_sync_batchnorm_device(module: nn.Module, device: torch.device) -> None:
+    synced = [name for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
+    if synced and device.type == "cpu":
+        raise ValueError(
+            f"the model has SyncBatchNorm layers ({synced[:3]}), from sync_batchnorm=True or "
+            "built in, and trains on CPU: torch's SyncBatchNorm runs on GPUs only (it has no "
+            "CPU kernels; DDP refuses it on CPU too). Train on GPUs, or drop "
+            "sync_batchnorm=True (each rank then normalizes with its own batch statistics)."
+        )
+
+
+def _check_no_meta_metric_states(module: nn.Module) -> None:
+    from torchmetrics import Metric
+
+    on_meta = [
+        f"{name}.{state}"
+        for name, metric in module.named_modules()
+        if isinstance(metric, Metric)
+        for state, value in metric.metric_state.items()
+        if any(t.is_meta for t in (value if isinstance(value, list) else [value]))
+    ]
+    if on_meta:
+        raise ValueError(
+            f"metric states {on_meta[:3]} are on the meta device: the metrics were created "
+            "under trainer.init_module(empty_init=True), which gives tensors no values, and a "
+            "metric's starting state cannot be restored from there. Create the metrics outside "
+            "it: build the model under trainer.init_module() without empty_init=True, or build "
+            "the layers in configure_model() and keep the metrics in __init__."
         )
 
 

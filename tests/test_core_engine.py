@@ -192,7 +192,7 @@ def test_summon_full_params_and_named_shards() -> None:
         ("tied_across_units", "one tied tensor used by different sharded groups"),
         ("no_trainable", "no trainable parameters"),
         ("mixed_devices", "several devices"),
-        ("no_blocks", "could not auto-detect the repeated blocks"),
+        ("no_blocks", "could not auto-detect the blocks"),
         ("bad_units_class", "matched no submodule"),
         ("bad_zero_stage", "zero_stage must be 2 or 3"),
     ],

@@ -96,6 +96,9 @@ class _RootLinears(nn.Module):
 def test_auto_detects_blocks_without_a_container() -> None:
     assert [name for name, _ in find_units(_SiblingBlocks())] == ["block1", "block2", "block3"]
     assert [name for name, _ in find_units(_RootLinears())] == ["fc1", "fc2"]
+    wrapped = nn.Module()  # a LightningModule holding self.model
+    wrapped.model = _RootLinears()
+    assert [name for name, _ in find_units(wrapped)] == ["model.fc1", "model.fc2"]
     stack = nn.Sequential(
         nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 2)
     )

@@ -13,13 +13,17 @@ Example::
 from lightning_yafsdp.core.collectives import CommStats
 from lightning_yafsdp.core.engine import ParamShard, YaFSDPEngine
 from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.order_guard import CollectiveOrderError
 from lightning_yafsdp.core.policy import find_units, is_norm_module
 from lightning_yafsdp.core.sharding import ShardingPlan, get_engine, plan_layouts, shard_model
 from lightning_yafsdp.core.streams import ScheduleEvent
+from lightning_yafsdp.core.tensor_tree import OpaqueValueError
 
 __all__ = [
+    "CollectiveOrderError",
     "CommStats",
     "FlatLayout",
+    "OpaqueValueError",
     "ParamShard",
     "ScheduleEvent",
     "ShardingPlan",

@@ -7,16 +7,18 @@ once, when the model is sharded. Unit ``i`` uses weight buffer
 buffers (odd and even units alternate, so memory is constant in depth);
 ZeRO-2 has one per unit (gathered weights stay from forward to backward).
 
-Each buffer records who holds it (``holder``), whether the holder is computing
-with it right now (``in_use``) and the collective in flight on it. A buffer is
-handed to a new holder only when the old holder is not computing (condition 2)
-and, for grads, after the old holder's reduce_scatter is complete (condition 3).
-The torch allocator never sees a per-layer allocation.
+Each buffer records who holds it (``holder``: the group object) and the
+collective in flight on it. Whether it is in use is not stored beside that: it
+is the holder's state ([Note: unit state machine]): a weight buffer is in use
+while its holder computes, a grad buffer while its holder's backward holds it.
+A buffer is handed to a new holder only when the old holder is not computing
+(condition 2) and, for grads, after the old holder's reduce_scatter is complete
+(condition 3). The torch allocator never sees a per-layer allocation.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +34,10 @@ class WeightBuffer:
         tensor: flat leaf tensor in the compute dtype. It requires grad only so
             that the gate (``GateGradFlow``) enters the autograd graph; its
             ``.grad`` is never populated.
-        holder: name of the unit whose weights it holds or is receiving.
+        holder: the group (unit or resident group) whose weights it holds or
+            is receiving; its ``is_computing`` says whether the buffer is in use.
         version: the compute-shard version those weights were gathered from
             (-1: contents invalid).
-        in_use: True while the holder's forward or backward runs.
         gather: the all_gather writing it, until waited.
         release_event: compute event after the holder's last use (CUDA).
     """
@@ -43,14 +45,18 @@ class WeightBuffer:
     def __init__(self, index: int, numel: int, *, dtype: torch.dtype, device: torch.device) -> None:
         self.index = index
         self.tensor = torch.zeros(numel, dtype=dtype, device=device).requires_grad_(True)
-        self.holder: str | None = None
+        self.holder: Any = None
         self.version = -1
-        self.in_use = False
         self.gather: PendingCollective | None = None
         self.release_event = None
 
-    def holds(self, unit: str, version: int) -> bool:
-        return self.holder == unit and self.version == version
+    def holds(self, group: Any, version: int) -> bool:
+        return self.holder is group and self.version == version
+
+    @property
+    def in_use(self) -> bool:
+        """True while the holder's forward or backward runs (derived from its state)."""
+        return self.holder is not None and self.holder.is_computing
 
     @property
     def nbytes(self) -> int:
@@ -65,7 +71,7 @@ class GradBuffer:
         tensor: flat tensor in the reduce dtype (fp32 by default, so that the
             reduce_scatter sums in fp32 without a separate staging copy).
         reduced: this rank's reduced shard, written by the reduce_scatter.
-        holder: name of the unit whose grads it holds.
+        holder: the unit whose grads it holds (or last held).
         reduce: the reduce_scatter reading ``tensor``, until completed.
         on_reduced: what to do with the reduced shard once the collective is done.
     """
@@ -76,12 +82,16 @@ class GradBuffer:
         self.index = index
         self.tensor = torch.zeros(numel, dtype=dtype, device=device)
         self.reduced = torch.zeros(shard_numel, dtype=dtype, device=device)
-        self.holder: str | None = None
-        self.in_use = False
+        self.holder: Any = None
         self.reduce: PendingCollective | None = None
         self.on_reduced = None
         # Layout signature whose padding ranges are known to be zero here.
         self.zero_padding_of: tuple | None = None
+
+    @property
+    def in_use(self) -> bool:
+        """True while the holder's backward holds it (derived from the holder's state)."""
+        return self.holder is not None and self.holder.life.holds_grad_buffer
 
     @property
     def nbytes(self) -> int:

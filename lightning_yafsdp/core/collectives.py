@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+# torch 2.13 recommends the ``*_single`` names; 2.11 only has ``*_into_tensor``.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -62,7 +66,7 @@ def all_gather_into(
     guarantee that their contents are right when read.
     """
     stats.add("all_gather", output.numel() * output.element_size())
-    return dist.all_gather_single(output.data, shard, group=group, async_op=async_op)
+    return _all_gather_single(output.data, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(
@@ -75,7 +79,7 @@ def reduce_scatter_into(
 ) -> dist.Work | None:
     """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``."""
     stats.add("reduce_scatter", full.numel() * full.element_size())
-    return dist.reduce_scatter_single(
+    return _reduce_scatter_single(
         output.data, full, op=ReduceOp.SUM, group=group, async_op=async_op
     )
 

@@ -8,6 +8,7 @@ which group / which dtype" question so no other code does that arithmetic.
 from __future__ import annotations
 
 import contextlib
+import enum
 import math
 import weakref
 from collections.abc import Iterator
@@ -24,8 +25,16 @@ from lightning_yafsdp.core.collectives import CommStats, all_gather_into, all_re
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.grads import ShardGrads
 from lightning_yafsdp.core.layer import ShardedUnit, UnitState
+from lightning_yafsdp.core.order_guard import CollectiveOrderGuard
 from lightning_yafsdp.core.resident import ResidentGroup
 from lightning_yafsdp.core.streams import CommScheduler, ScheduleEvent
+
+
+class EnginePhase(enum.Enum):
+    """Where the model as a whole is; each unit's own state is its ``UnitLifecycle``."""
+
+    OUTSIDE_BACKWARD = "outside backward"
+    BACKWARD = "backward"  # the end-of-backward callback is queued and has not run
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ class YaFSDPEngine:
         self.cast_forward_inputs = cast_forward_inputs
         self.divide_factor = float(world_size)
         self.scheduler = CommScheduler(device)
+        # [Note: collective order guard] on by default where it is cheap (CPU).
+        self.verify_collective_order(device.type != "cuda")
         self.comm_stats = CommStats()
         self.weight_buffers = [
             WeightBuffer(i, buffer_numel, dtype=param_dtype, device=device)
@@ -96,10 +107,9 @@ class YaFSDPEngine:
         self._hooks: list = []
         # Iteration state.
         self.compute_version = 0
-        self.active_unit: ShardedUnit | None = None
+        self.phase = EnginePhase.OUTSIDE_BACKWARD
         self._weights_stale = True
         self._seen_master_versions: tuple[int, ...] = ()
-        self._backward_started = False
         self._optimizer_hook = _register_weak_step_hook(self)
 
     # -- what the optimizer sees -------------------------------------------------
@@ -125,6 +135,30 @@ class YaFSDPEngine:
         this after writing master shards by hand, e.g. through ``.data``.
         """
         self._weights_stale = True
+
+    def verify_collective_order(self, enabled: bool = True) -> None:
+        """Check before every collective that all ranks issue the same one (see order_guard.py).
+
+        Default: on for CPU (gloo) models, off for CUDA, where the check costs a
+        host sync per collective. A mismatch raises ``CollectiveOrderError`` on
+        every rank instead of hanging or exchanging shards of different units.
+        """
+        self.scheduler.order_guard = (
+            CollectiveOrderGuard(
+                self.group,
+                device=self.device,
+                rank=self.rank,
+                world_size=self.world_size,
+                describe=self._describe_group,
+            )
+            if enabled
+            else None
+        )
+
+    def _describe_group(self, index: int) -> str:
+        if 0 <= index < len(self.units):
+            return self.units[index].name
+        return {-1: "<root>", -2: "<norms>"}.get(index, f"group {index}")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide each backward's summed grads by ``factor`` (default: world size)."""
@@ -171,6 +205,7 @@ class YaFSDPEngine:
 
     def begin_forward(self) -> None:
         """Before any sharded module runs: refresh stale compute shards, expose residents."""
+        self._recover_from_failed_backward()
         if self._weights_stale or self._master_versions() != self._seen_master_versions:
             self._refresh_compute_shards()
         for group in self.residents:
@@ -185,8 +220,27 @@ class YaFSDPEngine:
         """In backward: start gathering the unit before ``unit`` if it awaits its backward."""
         if unit.index > 0:
             previous = self.units[unit.index - 1]
-            if previous.state is UnitState.FORWARD_DONE:
+            if previous.life.awaits_backward:
                 previous.prefetch()
+
+    def refuse_nested_call(self, unit: ShardedUnit) -> None:
+        """Raise if another unit's forward is running: ``unit`` is called inside it."""
+        for buffer in self.weight_buffers:
+            holder = buffer.holder
+            if holder is not None and holder is not unit and holder.state in _FORWARD_STATES:
+                raise RuntimeError(
+                    f"unit '{unit.name}' is called inside unit '{holder.name}'. Nested sharded "
+                    "units are not supported: list only the outer module in units=."
+                )
+
+    @property
+    def in_backward(self) -> bool:
+        return self.phase is EnginePhase.BACKWARD
+
+    @staticmethod
+    def inside_autograd_backward() -> bool:
+        """True while autograd executes a backward on this thread (recomputation runs here)."""
+        return torch._C._current_graph_task_id() != -1
 
     def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Cast floating inputs of a unit to the compute dtype (mixed precision)."""
@@ -205,10 +259,18 @@ class YaFSDPEngine:
         return pytree.tree_map(cast, (args, kwargs))
 
     def enter_backward(self) -> None:
-        """First backward hook of a pass: prepare grads, queue the end-of-backward callback."""
-        if self._backward_started:
+        """First backward hook of a pass: prepare grads, queue the end-of-backward callback.
+
+        ``queue_callback`` attaches to the graph task running NOW. A reentrant
+        checkpoint runs a nested backward (its own graph task) inside the outer
+        one; a callback queued from inside it would fire when the nested task
+        ends, mid-backward. Units therefore enter backward already when a
+        reentrant checkpoint recomputes them (``ShardedUnit._pre_forward``),
+        which runs in the outer task before the nested backward starts.
+        """
+        if self.phase is EnginePhase.BACKWARD:
             return
-        self._backward_started = True
+        self.phase = EnginePhase.BACKWARD
         for grads in self._all_grads():
             grads.begin_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -218,8 +280,7 @@ class YaFSDPEngine:
     def _end_of_backward(self) -> None:
         # Collectives below run in the same order on every rank.
         for unit in self.units:
-            if unit.state is UnitState.BACKWARD:
-                unit.post_backward()
+            unit.finish_backward()
         for buffer in self.grad_buffers:
             buffer.complete_reduce()
         for group in self.residents:
@@ -231,8 +292,30 @@ class YaFSDPEngine:
             )
         for unit in self.units:
             unit.end_iteration()
-        self.active_unit = None
-        self._backward_started = False
+        self.phase = EnginePhase.OUTSIDE_BACKWARD
+
+    def _recover_from_failed_backward(self) -> None:
+        if self.phase is EnginePhase.BACKWARD and not self.inside_autograd_backward():
+            self._abandon_backward()  # the last backward raised before its end
+
+    def _abandon_backward(self) -> None:
+        """Forget a backward that raised (an out-of-memory retry): the next step starts clean.
+
+        Its end-of-backward callback never ran. In-flight collectives are waited
+        (every rank issued them) and their results dropped, as torch drops the
+        grads of a failed backward; ``.grad`` was never set from this pass.
+        """
+        for buffer in self.grad_buffers:
+            if buffer.reduce is not None:
+                buffer.reduce.wait()
+                buffer.reduce, buffer.on_reduced = None, None
+        for group in self.groups():
+            group.abandon_grad_writes()
+        for unit in self.units:
+            unit.abandon_iteration()
+        for grads in self._all_grads():
+            grads.abandon_backward()
+        self.phase = EnginePhase.OUTSIDE_BACKWARD
 
     def _root_ranges(self) -> list[tuple[int, int]]:
         return [g.grad_range for g in self.residents if g.grads is self.unit_grads]
@@ -291,7 +374,8 @@ class YaFSDPEngine:
         model for the duration. With ``writeback=True`` changes made to the
         full tensors are copied back into this rank's shards on exit.
         """
-        if self._backward_started or self.active_unit is not None:
+        self._recover_from_failed_backward()
+        if self.in_backward or any(unit.is_computing for unit in self.units):
             raise RuntimeError("summon_full_params() cannot be used during forward or backward")
         full_flats = [self._gather_full(group) for group in self.groups()]
         try:
@@ -376,6 +460,9 @@ class YaFSDPEngine:
             handle.remove()
         for unit in self.units:
             unit.remove_hooks()
+
+
+_FORWARD_STATES = (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD)
 
 
 def _register_weak_step_hook(engine: YaFSDPEngine):

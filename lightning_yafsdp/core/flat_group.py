@@ -43,6 +43,9 @@ class FlatParamGroup:
         grad_range: ``[start, end)`` of ``master_shard`` inside its parameter.
     """
 
+    # Resident groups never compute as a whole; units override this with their state.
+    is_computing = False
+
     def __init__(
         self,
         name: str,
@@ -117,6 +120,10 @@ class FlatParamGroup:
             for start, end in self.layout.padding_ranges():
                 target[start:end].zero_()
             self._grad_buffer.zero_padding_of = self.layout.signature
+        self._grad_target = None
+
+    def abandon_grad_writes(self) -> None:
+        """A backward raised: whatever it wrote into the grad buffer is dropped."""
         self._grad_target = None
 
     @property

@@ -53,6 +53,11 @@ class ShardGrads:
             target = self.master.grad if self._window is None else self._window
             target[start:end].add_(reduced)
 
+    def abandon_backward(self) -> None:
+        """A backward raised before its end: drop what it accumulated in a fresh window."""
+        self._window = None
+        self._written.clear()
+
     def end_backward(self, ranges: list[tuple[int, int]]) -> None:
         """Zero what no reduce wrote in a fresh window and expose it as ``.grad``."""
         if self._window is None:

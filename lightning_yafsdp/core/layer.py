@@ -1,46 +1,46 @@
-"""A sharded unit (a transformer block): its state machine and hooks.
+"""A sharded unit (a transformer block): its hooks, driven by its state machine.
 
 A training step, seen from one unit ``i`` (ZeRO-3, two weight buffers):
 
 forward   pre-forward hook: wait for its gather into weight buffer i % 2
           (condition 1), prefetch unit i + 1 into the other buffer, gate the
           inputs and the buffer (``GateGradFlow``), expose params as views.
-          post-forward hook: release the buffer (condition 2), wrap the
-          outputs in ``PreBackwardGate``.
+          post-forward hook (``always_call``: also when forward raises):
+          release the buffer (condition 2), wrap the outputs in
+          ``PreBackwardGate``.
 backward  ``PreBackwardGate.backward`` -> ``pre_backward``: claim grad buffer
           i % 2 once the previous user's reduce_scatter is done (condition 3),
           re-gather the weights if the buffer was taken (ZeRO-3), prefetch the
           unit before it.
           ``Narrow.backward`` writes each param grad into the grad buffer.
-          ``GateGradFlow.backward`` -> ``post_backward``: all grads are in the
-          buffer (condition 4): issue the reduce_scatter; its result is added
-          into the master-dtype grad when the buffer is next claimed or at the
-          end of backward.
+          ``GateGradFlow.backward`` -> ``post_backward``: one call's grads are
+          all in the buffer; after the last call (condition 4) issue the
+          reduce_scatter. Its result is added into the master-dtype grad when
+          the buffer is next claimed or at the end of backward.
+
+Which of these a hook may do is decided by the unit's ``UnitLifecycle``
+([Note: unit state machine], ``unit_state.py``): every transition, the
+exceptional ones too, goes through it.
 """
 
 from __future__ import annotations
 
-import enum
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from lightning_yafsdp.core.autograd import GateGradFlow, PreBackwardGate
 from lightning_yafsdp.core.collectives import all_gather_into, reduce_scatter_into
 from lightning_yafsdp.core.flat_group import FlatParamGroup
+from lightning_yafsdp.core.tensor_tree import map_tensors, tensors_in
+from lightning_yafsdp.core.unit_state import UnitLifecycle, UnitState
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.engine import YaFSDPEngine
 
-
-class UnitState(enum.Enum):
-    IDLE = "idle"
-    FORWARD = "forward"  # inside a grad-enabled forward
-    FORWARD_DONE = "forward done"  # waiting for its backward
-    BACKWARD = "backward"  # between pre- and post-backward (recomputation happens here)
-    BACKWARD_DONE = "backward done"
+__all__ = ["ShardedUnit", "UnitState"]
 
 
 class ShardedUnit(FlatParamGroup):
@@ -62,32 +62,39 @@ class ShardedUnit(FlatParamGroup):
         self.module = module
         self.weight_buffer = engine.weight_buffers[index % len(engine.weight_buffers)]
         self.grad_buffer = engine.grad_buffers[index % len(engine.grad_buffers)]
-        self.state = UnitState.IDLE
-        self._grad_forward = False
+        self.life = UnitLifecycle(self.name)
         self._hooks = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            module.register_forward_hook(self._post_forward),
+            module.register_forward_hook(self._post_forward, always_call=True),
         ]
         self._original_forward = None
+
+    @property
+    def state(self) -> UnitState:
+        return self.life.state
+
+    @property
+    def is_computing(self) -> bool:
+        return self.life.computing
 
     # -- gathering -------------------------------------------------------------
 
     def prefetch(self) -> None:
         """Start gathering into this unit's buffer if it is free; never blocks."""
         buffer = self.weight_buffer
-        if buffer.holds(self.name, self.engine.compute_version) or buffer.in_use:
+        if buffer.holds(self, self.engine.compute_version) or buffer.in_use:
             return
         self._issue_gather()
 
     def _ensure_gathered(self) -> None:
         buffer = self.weight_buffer
-        if not buffer.holds(self.name, self.engine.compute_version):
+        if not buffer.holds(self, self.engine.compute_version):
             if buffer.in_use:
                 raise RuntimeError(
                     f"unit '{self.name}' is called while its weight buffer {buffer.index} is "
-                    f"held by '{buffer.holder}', whose forward/backward has not finished. "
-                    "Nested sharded units "
-                    "are not supported: list only the outer module in units=."
+                    f"held by '{buffer.holder.name}', whose forward/backward has not finished. "
+                    "Nested sharded units are not supported: list only the outer module in "
+                    "units=."
                 )
             self._issue_gather()
         if buffer.gather is not None:
@@ -99,13 +106,14 @@ class ShardedUnit(FlatParamGroup):
         if buffer.gather is not None:
             buffer.gather.wait()  # a prefetch for another unit: let it land before overwriting
         engine = self.engine
-        buffer.holder = self.name
+        buffer.holder = self
         buffer.version = engine.compute_version
         output = buffer.tensor[: self.layout.padded_numel]
         buffer.gather = engine.scheduler.issue(
             "gather",
             unit=self.name,
             slot=buffer.index,
+            tag=(self.index, self.layout.padded_numel),
             launch=lambda async_op: all_gather_into(
                 output, self.compute_shard, engine.group, async_op=async_op, stats=engine.comm_stats
             ),
@@ -113,118 +121,146 @@ class ShardedUnit(FlatParamGroup):
         )
         buffer.release_event = None
 
+    def _release_weights(self, note: str) -> None:
+        """The unit stops computing with its weight buffer (condition 2's release point)."""
+        buffer = self.weight_buffer
+        buffer.release_event = self.engine.scheduler.compute_marker()
+        self.engine.scheduler.note(note, self.name, buffer.index)
+
     # -- forward ---------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if self.state is UnitState.BACKWARD:
-            # Activation checkpointing re-runs forward (with hooks) inside this
-            # unit's backward: the weights are gathered already; fresh views
-            # that require grad make recomputation save what forward saved.
+        if self.life.state is UnitState.BACKWARD:
+            # Non-reentrant checkpointing re-runs forward (with hooks) inside this
+            # unit's backward: the weights are gathered already; fresh views that
+            # require grad make recomputation save what forward saved.
             self.install_views(self.weight_buffer.tensor, differentiable=True)
             return None
         engine = self.engine
         engine.begin_forward()
-        if engine.active_unit is not None:
-            raise RuntimeError(
-                f"unit '{self.name}' is called inside unit '{engine.active_unit.name}'. "
-                "Nested sharded "
-                "units are not supported: list only the outer module in units=."
-            )
-        engine.active_unit = self
+        engine.refuse_nested_call(self)
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled and engine.inside_autograd_backward():
+            # A reentrant checkpoint recomputes this unit inside the OUTER backward,
+            # then runs a nested backward over it: the end-of-backward callback must
+            # be queued now, on the outer graph task (see engine.enter_backward).
+            engine.enter_backward()
+        if grad_enabled and self.life.state is UnitState.BACKWARD_PAUSED:
+            self._reduce()  # a new call cannot join a backward already under way
         self._ensure_gathered()
-        self.weight_buffer.in_use = True
+        self.life.fire("forward" if grad_enabled else "no_grad_forward")
         engine.scheduler.note("forward_start", self.name, self.weight_buffer.index)
-        engine.prefetch_next(self)
+        if not engine.in_backward:
+            engine.prefetch_next(self)
         args, kwargs = engine.cast_inputs(args, kwargs)
-        self._grad_forward = torch.is_grad_enabled()
-        if not self._grad_forward:
+        if not grad_enabled:
             self.install_views(self.weight_buffer.tensor, differentiable=False)
             return args, kwargs
-        self.state = UnitState.FORWARD
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        gated_positions = [
-            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        gated_buffer, *gated = GateGradFlow.apply(
-            self, self.weight_buffer.tensor, *(flat[i] for i in gated_positions)
-        )
-        for position, tensor in zip(gated_positions, gated, strict=True):
-            flat[position] = tensor
+        where = f"the inputs of unit '{self.name}'"
+        found = tensors_in((args, kwargs), where=where, objects=False)
+        inputs = [t for t in found if t.requires_grad]
+        gated_buffer, *gated = GateGradFlow.apply(self, self.weight_buffer.tensor, *inputs)
         self.install_views(gated_buffer, differentiable=True)
-        return pytree.tree_unflatten(flat, spec)
+        return _substitute((args, kwargs), inputs, gated, where=where, objects=False)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.state is UnitState.BACKWARD:
-            return output  # recomputation
-        if not self._grad_forward:
+        state = self.life.state
+        if state not in (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD):
+            return output  # recomputation inside backward, or our pre-hook refused the call
+        # always_call: torch also runs this hook when forward raised (output is None).
+        failed = output is None and sys.exc_info()[0] is not None
+        self._release_weights("forward_end")
+        if state is UnitState.NO_GRAD_FORWARD or failed:
+            no_grad = state is UnitState.NO_GRAD_FORWARD
+            self.life.fire("no_grad_done" if no_grad else "forward_failed")
+            # A pending backward does not need these attributes: pre_backward installs
+            # fresh views ([Note: fresh views for recomputation]).
             self.install_placeholders()
+            return output
+        self.life.fire("forward_done")
         # [Note: views outlive forward] After a grad-enabled forward the views
         # stay installed until the end of backward: activation checkpointing
         # may re-run the module's forward without our hooks (Hugging Face calls
         # ``layer.forward`` directly), and pre_backward has re-gathered the
-        # weights into the buffer those views read by then.
-        engine = self.engine
-        engine.active_unit = None
-        buffer = self.weight_buffer
-        buffer.in_use = False
-        buffer.release_event = engine.scheduler.compute_marker()
-        engine.scheduler.note("forward_end", self.name, buffer.index)
-        if not self._grad_forward:
+        # weights into the buffer those views read by then; pre_backward also
+        # installs fresh ones for recomputation inside backward.
+        where = f"the output of unit '{self.name}'"
+        outputs = [t for t in tensors_in(output, where=where, objects=True) if t.requires_grad]
+        if not outputs:
             return output
-        self.state = UnitState.FORWARD_DONE
-        flat, spec = pytree.tree_flatten(output)
-        positions = [
-            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if positions:
-            gated = PreBackwardGate.apply(self, *(flat[i] for i in positions))
-            for position, tensor in zip(positions, gated, strict=True):
-                flat[position] = tensor
-        return pytree.tree_unflatten(flat, spec)
+        gated = PreBackwardGate.apply(self, *outputs)
+        return _substitute(output, outputs, gated, where=where, objects=True)
 
     # -- backward --------------------------------------------------------------
 
     def pre_backward(self) -> None:
         """Claim the grad buffer and the gathered weights for this unit's backward."""
-        if self.state is UnitState.BACKWARD:
+        state = self.life.state
+        if state is UnitState.BACKWARD:
             return
         engine = self.engine
         engine.enter_backward()
-        grad_buffer = self.grad_buffer
-        if grad_buffer.in_use:
-            raise RuntimeError(
-                f"the backward of unit '{self.name}' starts while '{grad_buffer.holder}' "
-                f"still writes grad buffer {grad_buffer.index}: units interleave in backward, "
-                "which two grad buffers cannot "
-                "serve. Make units run one after another (no unit calling another)."
-            )
-        grad_buffer.complete_reduce()  # condition 3
-        grad_buffer.holder = self.name
-        grad_buffer.in_use = True
-        self.begin_grad_writes(grad_buffer)
+        if state is not UnitState.BACKWARD_PAUSED:
+            self._claim_grad_buffer()
         self._ensure_gathered()
-        self.weight_buffer.in_use = True
-        self.state = UnitState.BACKWARD
+        self.life.fire("pre_backward")
+        # [Note: fresh views for recomputation] Recomputation in this backward reads
+        # the module attributes. Views of the forward's gated buffer would tie a
+        # reentrant checkpoint's NESTED backward to the outer graph (through
+        # GateGradFlow to the earlier units, whose checkpoints would then run twice);
+        # views of the plain buffer end the nested graph at this unit. GateGradFlow
+        # still runs in the outer backward, after the nested one wrote every grad.
+        # (Autograd runs backward hooks with grad mode off: the views need it on.)
+        with torch.enable_grad():
+            self.install_views(self.weight_buffer.tensor, differentiable=True)
         engine.scheduler.note("backward_start", self.name, self.weight_buffer.index)
         engine.prefetch_previous(self)
 
+    def _claim_grad_buffer(self) -> None:
+        grad_buffer = self.grad_buffer
+        holder = grad_buffer.holder
+        if holder is not None and holder is not self and holder.life.holds_grad_buffer:
+            if holder.life.state is UnitState.BACKWARD:
+                raise RuntimeError(
+                    f"the backward of unit '{self.name}' starts while '{holder.name}' still "
+                    f"writes grad buffer {grad_buffer.index}: units interleave in backward, "
+                    "which two grad buffers cannot serve. Make units run one after another "
+                    "(no unit calling another)."
+                )
+            holder.flush()  # paused between two calls: reduce its partial sum now
+        grad_buffer.complete_reduce()  # condition 3
+        grad_buffer.holder = self
+        self.begin_grad_writes(grad_buffer)
+
     def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
-        if self.state is not UnitState.BACKWARD:
+        if self.life.state is not UnitState.BACKWARD:
             self.pre_backward()  # a grad that bypassed the unit's outputs
         super().accumulate_param_grad(index, grad)
 
     def post_backward(self) -> None:
-        """All grads of the unit are in its grad buffer: reduce_scatter them."""
-        if self.state is not UnitState.BACKWARD:
+        """One call's grads are all in the grad buffer; after the last call, reduce them."""
+        if self.life.state is not UnitState.BACKWARD:
             self.pre_backward()
+        self._release_weights("backward_end")
+        if self.life.fire("call_done") is UnitState.BACKWARD:
+            self._reduce()
+
+    def flush(self) -> None:
+        """Reduce-scatter what a paused unit has accumulated so far (frees its grad buffer)."""
+        self._reduce()
+
+    def finish_backward(self) -> None:
+        """End of the backward pass: reduce whatever this unit still holds."""
+        state = self.life.state
+        if state is UnitState.BACKWARD:
+            self._release_weights("backward_end")
+        if state in (UnitState.BACKWARD, UnitState.BACKWARD_PAUSED):
+            self._reduce()
+
+    def _reduce(self) -> None:
         engine = self.engine
         self.finish_grad_writes()
-        weight_buffer = self.weight_buffer
-        weight_buffer.in_use = False
-        weight_buffer.release_event = engine.scheduler.compute_marker()
-        engine.scheduler.note("backward_end", self.name, weight_buffer.index)
         grad_buffer = self.grad_buffer
-        grad_buffer.in_use = False
         full = grad_buffer.tensor[: self.layout.padded_numel]
         reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
@@ -232,16 +268,17 @@ class ShardedUnit(FlatParamGroup):
         grad_buffer.on_reduced = lambda: engine.unit_grads.add(
             start, end, reduced, engine.divide_factor
         )
+        self.life.fire("reduce")
         grad_buffer.reduce = engine.scheduler.issue(
             "reduce_scatter",
             unit=self.name,
             slot=grad_buffer.index,
+            tag=(self.index, self.layout.padded_numel),
             launch=lambda async_op: reduce_scatter_into(
                 reduced, full, engine.group, async_op=async_op, stats=engine.comm_stats
             ),
             after=engine.scheduler.compute_marker(),  # condition 4
         )
-        self.state = UnitState.BACKWARD_DONE
 
     # -- activation checkpointing ---------------------------------------------
 
@@ -264,9 +301,14 @@ class ShardedUnit(FlatParamGroup):
         self.module.forward = checkpointed_forward
 
     def end_iteration(self) -> None:
-        if self.state is not UnitState.IDLE:
+        if self.life.state is not UnitState.IDLE:
             self.install_placeholders()
-        self.state = UnitState.IDLE
+        self.life.fire("end_iteration")
+
+    def abandon_iteration(self) -> None:
+        """The backward raised: back to IDLE from wherever it stopped."""
+        self.install_placeholders()
+        self.life.fire("abandon")
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -274,3 +316,11 @@ class ShardedUnit(FlatParamGroup):
         if self._original_forward is not None:
             self.module.forward = self._original_forward
             self._original_forward = None
+
+
+def _substitute(value: Any, originals: list, replacements, *, where: str, objects: bool) -> Any:
+    """``value`` with each tensor of ``originals`` replaced by its gated twin."""
+    if not originals:
+        return value
+    twin = {id(t): g for t, g in zip(originals, replacements, strict=True)}
+    return map_tensors(value, lambda t: twin.get(id(t), t), where=where, objects=objects)

@@ -86,7 +86,8 @@ def is_norm_module(module: nn.Module, norm_classes: NormSpec = None) -> bool:
 #    sharded whole instead of staying in the resident root group on every rank;
 # 2. sibling modules of one class (two or more children of one parent, each holding
 #    parameters) that are blocks written by the user (``self.block1``, ``self.block2``),
-#    or any class when they are direct children of the root (``self.fc1``, ``self.fc2``);
+#    or any class when they are direct children of the model's trunk (the root, or what
+#    its wrappers hold: ``self.fc1``, ``self.fc2``);
 # 3. the parameter-holding children of the largest nn.Sequential (a plain stack of layers).
 # Rules 2 and 3 are guesses about code without a block container: they count only when
 # the units they find hold at least half of the model's parameters. Otherwise
@@ -127,7 +128,22 @@ def _repeated_containers(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _trunk(root: nn.Module) -> tuple[str, nn.Module]:
+    """The model under its wrappers: descend while one child holds every parameter.
+
+    A LightningModule holding ``self.model`` (or a HF ``...ForCausalLM`` holding its
+    ``model``) is a wrapper; the layers worth naming are the children of its trunk.
+    """
+    name, module = "", root
+    while True:
+        holders = [(n, child) for n, child in module.named_children() if _numel(child)]
+        if len(holders) != 1 or _numel(holders[0][1]) != _numel(module):
+            return name, module
+        name, module = _join(name, holders[0][0]), holders[0][1]
+
+
 def _same_class_siblings(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    _, trunk = _trunk(root)
     found = []
     for name, parent in root.named_modules():
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
@@ -136,7 +152,7 @@ def _same_class_siblings(root: nn.Module) -> list[tuple[str, nn.Module]]:
                 by_class.setdefault(type(child), []).append((_join(name, child_name), child))
         for cls, siblings in by_class.items():
             user_block = not cls.__module__.startswith("torch.")
-            if len(siblings) >= 2 and (user_block or parent is root):
+            if len(siblings) >= 2 and (user_block or parent is trunk):
                 found.extend(siblings)
     return found
 
@@ -163,8 +179,13 @@ def _outermost(candidates: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mo
 
 
 def _no_blocks_message(root: nn.Module) -> str:
+    trunk_name, trunk = _trunk(root)
     children = sorted(
-        ((name, _numel(child)) for name, child in root.named_children() if _numel(child)),
+        (
+            (_join(trunk_name, name), _numel(child))
+            for name, child in trunk.named_children()
+            if _numel(child)
+        ),
         key=lambda item: -item[1],
     )
     listed = ", ".join(f"{name!r} ({numel:,} parameters)" for name, numel in children[:6])

@@ -52,6 +52,8 @@ class ResidentGroup(FlatParamGroup):
             dtype=engine.reduce_dtype,
             device=device,
         )
+        # Its index in collective-order tags (units use 0, 1, ...).
+        self.guard_index = -2 if grads is engine.norm_grads else -1
         self._view_version = -1
         self._views_differentiable = False
         self._views_in_graph = False  # differentiable views handed out since the last backward
@@ -61,12 +63,13 @@ class ResidentGroup(FlatParamGroup):
         engine = self.engine
         version = engine.compute_version
         buffer = self.weight_buffer
-        if not buffer.holds(self.name, version):
-            buffer.holder, buffer.version = self.name, version
+        if not buffer.holds(self, version):
+            buffer.holder, buffer.version = self, version
             pending = engine.scheduler.issue(
                 "gather",
                 unit=self.name,
                 slot=None,
+                tag=(self.guard_index, self.layout.padded_numel),
                 launch=lambda async_op: all_gather_into(
                     buffer.tensor,
                     self.compute_shard,
@@ -96,9 +99,14 @@ class ResidentGroup(FlatParamGroup):
 
         Runs on every rank whenever the group's differentiable views took part
         in the forward, even if no grad reached them here, so that all ranks
-        issue the same collectives in the same order.
+        issue the same collectives in the same order; and whenever grads were
+        written in this backward, even through views of an earlier backward's
+        graph (a second ``backward`` of a retained graph). Skipping that case
+        lost those grads and left the buffer's write marks set, so the next
+        backward ADDED onto them and never re-zeroed the spans it did not
+        reach: a stale grad.
         """
-        if not self._views_in_graph:
+        if not self._views_in_graph and not self.has_grad_target:
             return
         engine = self.engine
         if not self.has_grad_target:
@@ -109,6 +117,7 @@ class ResidentGroup(FlatParamGroup):
             "reduce_scatter",
             unit=self.name,
             slot=None,
+            tag=(self.guard_index, self.layout.padded_numel),
             launch=lambda async_op: reduce_scatter_into(
                 reduced,
                 self.grad_buffer.tensor,

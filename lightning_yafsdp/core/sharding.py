@@ -23,6 +23,7 @@ from lightning_yafsdp.core.flat_group import ParamOwner
 from lightning_yafsdp.core.grads import ShardGrads
 from lightning_yafsdp.core.layer import ShardedUnit
 from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.materialize import Materializer, draw_init_seed
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.resident import ResidentGroup
 
@@ -86,9 +87,11 @@ def shard_model(
             unit module (and on each other module owning parameters or
             buffers) right after it is materialized on the target device and
             right before it is flattened and sharded, so no rank ever holds
-            the whole unsharded model. Default: ``reset_parameters()`` of every
-            submodule that defines it. Ranks must initialize identically
-            (same seed) or pass ``sync_module_states=True``.
+            the whole unsharded model. Default: the model's own scheme,
+            ``reset_parameters()`` of each module and, inside a Hugging Face
+            ``PreTrainedModel``, its ``_init_weights`` (see ``core/materialize.py``).
+            Each group is initialized under a seed equal on every rank; anything
+            left uninitialized raises, naming the tensor.
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -112,10 +115,9 @@ def shard_model(
             raise ValueError(f"{label} must be a floating dtype, got {dtype}")
     group = process_group or dist.group.WORLD
     device = _single_device(module, allow_meta=True)
-    init_on = None
-    if device.type == "meta":
+    built_on_meta = device.type == "meta"
+    if built_on_meta:
         device = _default_device(group)
-        init_on = _Materializer(device, param_init_fn or _reset_parameters)
     check_backend(str(dist.get_backend(group)), device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
@@ -130,6 +132,10 @@ def shard_model(
 
     # Master shards, filled one group at a time.
     stats = CommStats()
+    init_on = None
+    if built_on_meta:
+        seed = draw_init_seed(group, device, stats=stats)
+        init_on = Materializer(module, device=device, init_fn=param_init_fn, seed=seed)
     fill = dict(
         rank=rank,
         group=group,
@@ -372,55 +378,6 @@ def _default_device(group: ProcessGroup) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _reset_parameters(module: nn.Module) -> None:
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
-
-
-class _Materializer:
-    """Materializes a meta-device model one group at a time (see ``param_init_fn``)."""
-
-    def __init__(self, device: torch.device, init_fn: Callable[[nn.Module], None]) -> None:
-        self.device = device
-        self.init_fn = init_fn
-        self._unit_module_of: dict[str, nn.Module] = {}
-
-    def assign_unit_modules(self, unit_specs, unit_modules) -> None:
-        for spec, (_, unit_module) in zip(unit_specs, unit_modules, strict=True):
-            self._unit_module_of[spec.name] = unit_module
-
-    def materialize(self, spec: _GroupSpec) -> None:
-        unit_module = self._unit_module_of.get(spec.name)
-        if unit_module is not None:
-            self._materialize_module(unit_module, recurse=True)
-        for owners in spec.owners:
-            for owner in owners:
-                self._materialize_module(owner.module, recurse=False)
-        # to_empty replaces Parameter objects; tied owners keep the first owner's value.
-        spec.params = [owners[0].module._parameters[owners[0].attr] for owners in spec.owners]
-
-    def release(self, spec: _GroupSpec) -> None:
-        # The group now lives in the master shard: drop its full-size tensors at once.
-        for param in spec.params:
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-
-    def materialize_rest(self, root: nn.Module) -> None:
-        for sub in root.modules():
-            tensors = [*sub._parameters.values(), *sub._buffers.values()]
-            if any(t is not None and t.is_meta for t in tensors):
-                self._materialize_module(sub, recurse=False)
-
-    def _materialize_module(self, module: nn.Module, *, recurse: bool) -> None:
-        tensors = module.parameters(recurse) if recurse else module._parameters.values()
-        buffers = module.buffers(recurse) if recurse else module._buffers.values()
-        if not any(t is not None and t.is_meta for t in (*tensors, *buffers)):
-            return
-        module.to_empty(device=self.device, recurse=recurse)
-        self.init_fn(module)
 
 
 def _compute_twin(master: nn.Parameter, param_dtype: torch.dtype) -> torch.Tensor:

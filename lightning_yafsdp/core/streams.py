@@ -25,16 +25,28 @@ and conditions 1 and 3 are the ``Work.wait()`` calls. The schedule code is the
 same on both devices; only this file knows the difference.
 
 A recording mode logs every issue, wait and compute boundary so that tests
-can check the four conditions on a real run (``tests/test_schedule.py``).
+can check the four conditions on a real run (``tests/schedule_check.py``).
+
+Every wait and record names the engine's device explicitly: the current CUDA
+device of the calling thread may be another one (a user's ``torch.cuda.device``
+context, a second model), and an event waited on the wrong device's stream
+orders nothing.
+
+With an optional ``CollectiveOrderGuard`` (``order_guard.py``) each collective
+carries a tag exchange that is verified before the collective is waited.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from lightning_yafsdp.core.order_guard import CollectiveOrderGuard, TagExchange
 
 Launch = Callable[[bool], "dist.Work | None"]
 
@@ -61,19 +73,29 @@ class PendingCollective:
     """A collective in flight; ``wait()`` orders the compute stream after it."""
 
     def __init__(
-        self, scheduler: CommScheduler, event: ScheduleEvent, *, work=None, done_event=None
+        self,
+        scheduler: CommScheduler,
+        event: ScheduleEvent,
+        *,
+        work=None,
+        done_event=None,
+        tag_exchange: TagExchange | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._event = event
         self._work = work
         self._done_event = done_event
+        self._tag_exchange = tag_exchange
         self.waited = False
 
     def wait(self) -> None:
         if self.waited:
             return
+        if self._tag_exchange is not None:
+            exchange, self._tag_exchange = self._tag_exchange, None
+            exchange.verify()  # raises on every rank if ranks issued different collectives
         if self._done_event is not None:
-            torch.cuda.current_stream().wait_event(self._done_event)
+            torch.cuda.current_stream(self._scheduler.device).wait_event(self._done_event)
             self._done_event = None  # record -> wait -> drop
         elif self._work is not None:
             self._work.wait()
@@ -88,10 +110,13 @@ class CommScheduler:
 
     Args:
         device: the device the engine's tensors live on.
+        order_guard: checks before each collective that all ranks issue the
+            same one (None: no check).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, order_guard: CollectiveOrderGuard | None = None):
         self.device = device
+        self.order_guard = order_guard
         self.uses_streams = device.type == "cuda"
         # The comm stream exists so collectives overlap compute; high priority
         # so that a ready collective is never queued behind compute kernels.
@@ -117,6 +142,7 @@ class CommScheduler:
         *,
         unit: str,
         slot: int | None,
+        tag: tuple[int, int],
         launch: Launch,
         after: torch.cuda.Event | None,
     ) -> PendingCollective:
@@ -126,24 +152,29 @@ class CommScheduler:
             kind: ``gather`` or ``reduce_scatter`` (for the log).
             unit: unit name (for the log and profiler label).
             slot: buffer index (for the log).
+            tag: ``(group index, elements)``: what every rank must be issuing
+                now (checked by the order guard, if any).
             launch: ``launch(async_op)`` issues the collective.
             after: compute event the collective must wait for (CUDA only).
         """
+        guard = self.order_guard
         event = ScheduleEvent(f"{kind}_issue", unit, slot)
         if self.log is not None:
             self.log.append(event)
         with torch.profiler.record_function(f"YaFSDP::{kind} ({unit})"):
             if not self.uses_streams:
-                return PendingCollective(self, event, work=launch(True))
-            with torch.cuda.stream(self.comm_stream):
+                exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
+                return PendingCollective(self, event, work=launch(True), tag_exchange=exchange)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.comm_stream):
                 if after is not None:
                     self.comm_stream.wait_event(after)
+                exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
                 # NCCL orders itself after the current (comm) stream and makes it
                 # wait for completion, so the done-event below marks completion.
                 launch(False)
                 done = torch.cuda.Event()
                 done.record(self.comm_stream)
-            return PendingCollective(self, event, done_event=done)
+            return PendingCollective(self, event, done_event=done, tag_exchange=exchange)
 
     def comm_waits_for_compute(self) -> None:
         """Order all later collectives after everything queued on compute so far.

@@ -1,0 +1,501 @@
+"""Materialize a meta-device model one flat group at a time, initialize it, and prove it.
+
+A model built under ``torch.device("meta")`` has shapes but no values. ``shard_model``
+turns it into real tensors one group at a time (a unit, the root remainder, the norm
+group, then whatever is left), so no rank ever holds the whole unsharded model. For each
+group, in this order:
+
+1. **Allocate** every meta parameter and buffer the group owns on the target device
+   (ties kept: a tensor shared by two modules becomes one real tensor).
+2. **Load** the tensors a pretrained source provides (see ``TENSOR_SOURCE_ATTR``): they
+   take exactly the saved values and are never initialized.
+3. **Poison** the others: NaN for floating tensors, a sentinel for integer/bool ones.
+4. **Initialize** them the way the model initializes itself, under a seed that is the
+   same on every rank ([Note: init seed]): a user ``init_fn`` if given; otherwise
+   ``reset_parameters()`` of each module that owns a fresh tensor, then, for modules
+   inside a Hugging Face ``PreTrainedModel``, that model's own ``_init_weights`` on the
+   owners and all their ancestors, in post-order (children before parents, as
+   ``PreTrainedModel.initialize_weights`` does). Every tensor outside the group is
+   flagged ``_is_hf_initialized`` for the duration, so transformers' guarded init
+   functions leave it alone ([Note: group-restricted HF init]).
+5. **Check**: a floating tensor still holding a NaN, or an integer/bool tensor never
+   written and still equal to the sentinel, was not initialized by anything; sharding
+   stops with an error naming it and saying how to fix it ([Note: init guard]).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from lightning_yafsdp.core.collectives import CommStats, broadcast_
+
+# A module may carry, under this attribute of its ``__dict__``, a source of saved values
+# for the meta tensors of the model (e.g. a safetensors checkpoint; see
+# lightning_yafsdp.pretrained.SafetensorsSource): ``locate(meta_tensor)`` -> a handle or
+# None, ``read(handle)`` -> the saved tensor, ``not_read()`` -> the names of what it
+# holds that was never read, ``close()``.
+TENSOR_SOURCE_ATTR = "_yafsdp_tensor_source"
+_HF_FLAG = "_is_hf_initialized"
+_MAX_NAMED = 8
+
+
+def draw_init_seed(group: ProcessGroup, device: torch.device, *, stats: CommStats) -> int:
+    """One seed for meta-device initialization, equal on every rank of ``group``.
+
+    [Note: init seed] Every rank draws from its own default generator (so every rank
+    consumes the same amount of randomness and ``seed_everything`` makes runs
+    reproducible) and then takes rank 0's draw: ranks that were not seeded alike still
+    initialize identically. Group ``i`` is initialized under ``seed + i``, so the
+    weights depend neither on the rank nor on the world size.
+    """
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(device)
+    broadcast_(seed, group, src_rank=0, stats=stats)
+    return int(seed.item())
+
+
+class Materializer:
+    """Materializes, loads or initializes, and checks a meta-device model group by group.
+
+    Args:
+        root: the whole model being sharded (still holding its meta tensors).
+        device: where the real tensors go.
+        init_fn: the user's init function, called on each unit module and on each
+            other module that owns a fresh tensor; ``None``: the model's own scheme
+            (``reset_parameters`` and Hugging Face ``_init_weights``).
+        seed: the base seed (``draw_init_seed``).
+    """
+
+    def __init__(
+        self,
+        root: nn.Module,
+        *,
+        device: torch.device,
+        init_fn: Callable[[nn.Module], None] | None,
+        seed: int,
+    ) -> None:
+        self.root = root
+        self.device = device
+        self.init_fn = init_fn
+        self.seed = seed
+        self._groups_done = 0
+        self._unit_module_of: dict[str, nn.Module] = {}
+        self._real_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
+        self._post_order, self._parents = _post_order_and_parents(root)
+        self._hf_owner = _hf_owners(root)
+        self._lora_layers, self._adapter_modules = _lora_layers(root, self._parents)
+        self._sources = _tensor_sources(root)
+        # By (module, attribute), which outlives the tensor objects: sharding re-registers
+        # frozen parameters as buffers (new tensors) under the same module and name.
+        self._saved = _saved_locations(root, self._sources)
+
+    # -- what shard_model calls -------------------------------------------------------
+
+    def assign_unit_modules(self, unit_specs, unit_modules) -> None:
+        for spec, (_, unit_module) in zip(unit_specs, unit_modules, strict=True):
+            self._unit_module_of[spec.name] = unit_module
+
+    def materialize(self, spec) -> None:
+        """Give one flat group real, initialized tensors (``spec.params`` is updated)."""
+        unit_module = self._unit_module_of.get(spec.name)
+        owner_modules = _unique([owner.module for owners in spec.owners for owner in owners])
+        fresh = []
+        if unit_module is not None:
+            fresh += self._allocate(list(unit_module.modules()))
+        fresh += self._allocate(owner_modules)
+        targets = [unit_module] if unit_module is not None else []
+        targets += [m for m in owner_modules if unit_module is None or not _inside(m, unit_module)]
+        self._initialize(fresh, targets)
+        # Allocation replaced the Parameter objects: the group holds the new ones.
+        spec.params = [owners[0].module._parameters[owners[0].attr] for owners in spec.owners]
+
+    def release(self, spec) -> None:
+        # The group now lives in the master shard: drop its full-size tensors at once.
+        for param in spec.params:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def materialize_rest(self, root: nn.Module) -> None:
+        """Materialize what no group owns: buffers, frozen parameters (one more group)."""
+        modules = [
+            sub
+            for sub in root.modules()
+            if any(t is not None and t.is_meta for t in _own_tensors(sub))
+        ]
+        fresh = self._allocate(modules)
+        self._initialize(fresh, modules)
+        for module, source in self._sources:
+            # Every tensor is loaded: let the checkpoint files go.
+            module.__dict__.pop(TENSOR_SOURCE_ATTR, None)
+            source.close()
+            lost = source.not_read()
+            if lost:
+                raise RuntimeError(
+                    f"{len(lost)} tensors of the pretrained checkpoint were never loaded "
+                    f"(e.g. {lost[:3]}): the model built by from_pretrained in configure_model "
+                    "was changed afterwards so that these tensors were replaced (e.g. "
+                    "resize_token_embeddings, a re-created layer). Load it with real tensors "
+                    "instead: `with torch.device('cpu'): model = ...from_pretrained(...)` in "
+                    "configure_model, or build it in __init__."
+                )
+
+    # -- steps ------------------------------------------------------------------------
+
+    def _allocate(self, modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        fresh = []
+        for module in _unique(modules):
+            for table in (module._parameters, module._buffers):
+                for attr, tensor in table.items():
+                    if tensor is None or not tensor.is_meta:
+                        continue
+                    real, is_new = self._real_tensor(tensor)
+                    table[attr] = real
+                    if is_new:
+                        fresh.append((module, attr, real))
+        return fresh
+
+    def _real_tensor(self, meta: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        known = self._real_of.get(id(meta))
+        if known is not None:
+            return known[1], False
+        data = torch.empty_like(meta, device=self.device)
+        real = type(meta)(data, meta.requires_grad) if isinstance(meta, nn.Parameter) else data
+        self._real_of[id(meta)] = (meta, real)  # the meta tensor is kept so its id stays unique
+        return real, True
+
+    def _initialize(self, fresh, targets: list[nn.Module]) -> None:
+        to_init = [(m, a, t) for m, a, t in fresh if not self._load(m, a, t)]
+        if not to_init:
+            self._groups_done += 1
+            return
+        versions = [_poison(t) for _, _, t in to_init]
+        tensors = [t for _, _, t in to_init]
+        owners = _unique([m for m, _, _ in to_init])
+        with torch.no_grad(), _seeded(self.device, self.seed + self._groups_done):
+            with _hf_guard(), _others_flagged_initialized(self.root, tensors):
+                if self.init_fn is None:
+                    self._default_init(owners)
+                else:
+                    # Only where something needs it: loaded tensors are never re-initialized.
+                    for module in targets:
+                        if any(_inside(owner, module) for owner in owners):
+                            self.init_fn(module)
+        self._groups_done += 1
+        self._check(to_init, versions)
+
+    def _load(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> bool:
+        saved = self._saved.get((id(module), attr))
+        if saved is None:
+            return False
+        source, where = saved
+        _copy_saved(tensor, source.read(where), self._slot_name(module, attr))
+        return True
+
+    def _slot_name(self, module: nn.Module, attr: str) -> str:
+        module_name = self._module_names.get(id(module), "")
+        return f"{module_name}.{attr}" if module_name else attr
+
+    def _default_init(self, owners: list[nn.Module]) -> None:
+        owner_ids = {id(m) for m in owners}
+        for module in self._post_order:
+            if id(module) in owner_ids:
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        visit = set(owner_ids)
+        stack = list(owners)
+        while stack:
+            for parent in self._parents.get(id(stack.pop()), ()):
+                if id(parent) not in visit:
+                    visit.add(id(parent))
+                    stack.append(parent)
+        for module in self._post_order:
+            hf_model = self._hf_owner.get(id(module))
+            # PEFT adds its adapters after the model's own init: they never see _init_weights.
+            if (
+                id(module) in visit
+                and hf_model is not None
+                and id(module) not in self._adapter_modules
+            ):
+                hf_model._init_weights(module)
+        for layer, configs in self._lora_layers:
+            if id(layer) in visit:
+                _reset_lora_adapters(layer, configs, self._module_names.get(id(layer), "?"))
+
+    def _check(self, initialized, versions: list[int]) -> None:
+        untouched = [
+            item
+            for item, version in zip(initialized, versions, strict=True)
+            if _still_poisoned(item[2], version)
+        ]
+        if untouched:
+            raise RuntimeError(self._uninitialized_message(untouched))
+
+    def _uninitialized_message(self, untouched) -> str:
+        lines = [f"  {self._describe(module, attr, t)}" for module, attr, t in untouched]
+        if len(lines) > _MAX_NAMED:
+            lines = [*lines[:_MAX_NAMED], f"  ... and {len(lines) - _MAX_NAMED} more"]
+        return (
+            "meta-device initialization left these tensors uninitialized (they still hold "
+            "the NaN/sentinel the engine filled them with; training would read garbage):\n"
+            + "\n".join(lines)
+            + "\nFix one of: define reset_parameters() on the module so that it sets them; "
+            "define init_submodule(module) on the LightningModule or pass param_init_fn= "
+            "(YaFSDPStrategy / shard_model); or build the model with real tensors (in "
+            "__init__, or in configure_model under `with torch.device('cpu'):`) or load "
+            "them (from_pretrained, load_state_dict)."
+        )
+
+    def _describe(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> str:
+        cls = type(module).__name__
+        kind = "parameter" if attr in module._parameters else "buffer"
+        hf_model = self._hf_owner.get(id(module))
+        if self.init_fn is not None:
+            init_name = getattr(self.init_fn, "__qualname__", repr(self.init_fn))
+            cause = f"the init function {init_name} does not set it"
+        elif callable(getattr(module, "reset_parameters", None)):
+            cause = f"{cls}.reset_parameters() does not set it"
+        else:
+            cause = f"{cls} has no reset_parameters()"
+        if self.init_fn is None and hf_model is not None:
+            cause += f" and {type(hf_model).__name__}._init_weights does not set it either"
+        if kind == "buffer" and attr in module._non_persistent_buffers_set:
+            cause += (
+                "; it is a non-persistent buffer, computed in __init__ (which ran on the meta "
+                "device) and saved in no checkpoint, so nothing re-derives it"
+            )
+        return (
+            f"{self._slot_name(module, attr)} ({kind} of module "
+            f"'{self._module_names.get(id(module)) or '<root>'}' ({cls}), shape "
+            f"{tuple(tensor.shape)}, {tensor.dtype}): {cause}"
+        )
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _post_order_and_parents(root: nn.Module):
+    order: list[nn.Module] = []
+    parents: dict[int, list[nn.Module]] = {}
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        for child in module.children():
+            parents.setdefault(id(child), [])
+            if all(p is not module for p in parents[id(child)]):
+                parents[id(child)].append(module)
+            if id(child) not in seen:
+                visit(child)
+        order.append(module)
+
+    visit(root)
+    return order, parents
+
+
+def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
+    """Each module's nearest Hugging Face PreTrainedModel (itself or an ancestor)."""
+    pretrained_class = _pretrained_model_class()
+    if pretrained_class is None:
+        return {}
+    owners: dict[int, nn.Module] = {}
+
+    def visit(module: nn.Module, current: nn.Module | None) -> None:
+        if isinstance(module, pretrained_class):
+            current = module
+        if id(module) in owners:
+            return
+        if current is not None:
+            owners[id(module)] = current
+        for child in module.children():
+            visit(child, current)
+
+    visit(root, None)
+    return owners
+
+
+def _pretrained_model_class():
+    # Only a model built from transformers can need its init, and then it is imported.
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    return getattr(modeling_utils, "PreTrainedModel", None)
+
+
+def _lora_layers(root: nn.Module, parents) -> tuple[list, set[int]]:
+    """PEFT LoRA layers with their adapters' configs, and the ids of the adapter modules."""
+    lora = sys.modules.get("peft.tuners.lora.layer")
+    lora_layer_class = getattr(lora, "LoraLayer", None)
+    if lora_layer_class is None:
+        return [], set()
+    layers, adapter_modules = [], set()
+    for module in root.modules():
+        if not isinstance(module, lora_layer_class):
+            continue
+        layers.append((module, _nearest_peft_config(module, parents)))
+        for name, child in module.named_children():
+            if name != "base_layer":
+                adapter_modules.update(id(sub) for sub in child.modules())
+    return layers, adapter_modules
+
+
+def _nearest_peft_config(module: nn.Module, parents) -> dict:
+    pending, seen = [module], set()
+    while pending:
+        current = pending.pop()
+        config = getattr(current, "peft_config", None)
+        if isinstance(config, dict):
+            return config
+        seen.add(id(current))
+        pending += [p for p in parents.get(id(current), ()) if id(p) not in seen]
+    return {}
+
+
+def _reset_lora_adapters(layer: nn.Module, configs: dict, name: str) -> None:
+    # As peft's LoraLayer.update_layer does at construction, for the inits that need no data.
+    for adapter in [*layer.lora_A.keys(), *layer.lora_embedding_A.keys()]:
+        config = configs.get(adapter)
+        init = getattr(config, "init_lora_weights", True)
+        if isinstance(init, str) and init.lower() != "gaussian":
+            raise ValueError(
+                f"LoRA adapter {adapter!r} of '{name}' uses init_lora_weights={init!r}, which "
+                "computes the adapter from the base weights (or data) when the adapter is "
+                "created; on the meta device there are none. Apply the adapter to a model "
+                "with real weights (e.g. `with torch.device('cpu'):` around from_pretrained "
+                "and get_peft_model in configure_model)."
+            )
+        layer.reset_lora_parameters(adapter, init)
+
+
+def _tensor_sources(root: nn.Module) -> list[tuple[nn.Module, object]]:
+    sources = []
+    for module in root.modules():
+        source = module.__dict__.get(TENSOR_SOURCE_ATTR)
+        if source is not None:
+            sources.append((module, source))
+    return sources
+
+
+def _saved_locations(root: nn.Module, sources) -> dict[tuple[int, str], tuple[object, object]]:
+    saved = {}
+    if not sources:
+        return saved
+    for module in root.modules():
+        for table in (module._parameters, module._buffers):
+            for attr, tensor in table.items():
+                for _, source in sources:
+                    where = source.locate(tensor) if tensor is not None else None
+                    if where is not None:
+                        saved[(id(module), attr)] = (source, where)
+                        break
+    return saved
+
+
+def _copy_saved(tensor: torch.Tensor, saved: torch.Tensor, name: str) -> None:
+    if tuple(saved.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"the pretrained checkpoint holds {name} with shape {tuple(saved.shape)} but the "
+            f"model built from its config has {tuple(tensor.shape)}; the checkpoint does not "
+            "belong to this model class/config"
+        )
+    with torch.no_grad():
+        tensor.copy_(saved)
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor | None]:
+    return [*module._parameters.values(), *module._buffers.values()]
+
+
+def _unique(modules: list[nn.Module]) -> list[nn.Module]:
+    seen: set[int] = set()
+    return [m for m in modules if not (id(m) in seen or seen.add(id(m)))]
+
+
+def _inside(module: nn.Module, container: nn.Module) -> bool:
+    return any(sub is module for sub in container.modules())
+
+
+# [Note: init guard] Floating tensors are filled with NaN and must hold none afterwards.
+# Integer and bool tensors cannot hold NaN: they are filled with a sentinel, and fail only
+# if they still equal it everywhere AND their version counter did not move (so a buffer
+# legitimately written with those values still passes).
+def _sentinel(dtype: torch.dtype):
+    if dtype == torch.bool:
+        return True
+    info = torch.iinfo(dtype)
+    return info.min if info.min < 0 else info.max
+
+
+def _poison(tensor: torch.Tensor) -> int:
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.fill_(float("nan"))
+        else:
+            tensor.fill_(_sentinel(tensor.dtype))
+    return tensor._version
+
+
+def _still_poisoned(tensor: torch.Tensor, version: int) -> bool:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    if tensor._version != version:
+        return False
+    return bool((tensor == _sentinel(tensor.dtype)).all())
+
+
+@contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
+    # Forked: the caller's RNG state is the same after sharding as before it.
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device.index or 0] if cuda else []):
+        torch.random.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+def _hf_guard():
+    initialization = sys.modules.get("transformers.initialization")
+    guard = getattr(initialization, "guard_torch_init_functions", None)
+    return guard() if guard is not None else nullcontext()
+
+
+@contextmanager
+def _others_flagged_initialized(root: nn.Module, fresh: list[torch.Tensor]) -> Iterator[None]:
+    """[Note: group-restricted HF init] Mark every tensor but ``fresh`` as initialized.
+
+    transformers' init functions (and torch's, under ``guard_torch_init_functions``)
+    skip tensors whose ``_is_hf_initialized`` is set, so an ancestor's ``_init_weights``
+    (T5's root initializes ``shared``; GPT-2's attention rescales ``c_proj``) writes
+    only this group's tensors and draws no random numbers for the others.
+    """
+    if _pretrained_model_class() is None:
+        yield
+        return
+    fresh_ids = {id(t) for t in fresh}
+    previous: dict[int, tuple[torch.Tensor, object]] = {}
+    missing = object()
+    for tensor in _all_tensors(root):
+        if id(tensor) in previous:
+            continue
+        previous[id(tensor)] = (tensor, getattr(tensor, _HF_FLAG, missing))
+        setattr(tensor, _HF_FLAG, id(tensor) not in fresh_ids)
+    try:
+        yield
+    finally:
+        for tensor, flag in previous.values():
+            if flag is missing:
+                delattr(tensor, _HF_FLAG)
+            else:
+                setattr(tensor, _HF_FLAG, flag)
+
+
+def _all_tensors(root: nn.Module) -> Iterator[torch.Tensor]:
+    for module in root.modules():
+        yield from (t for t in _own_tensors(module) if t is not None)
+        # Sharded groups' placeholders are plain tensor attributes once rewired.
+        yield from (v for v in vars(module).values() if isinstance(v, torch.Tensor))

@@ -1,0 +1,112 @@
+"""Every rank must issue the same collectives in the same order: check it, cheaply.
+
+[Note: collective order guard]
+The engine's collectives are issued by hooks, so their order follows the
+model's call pattern. If ranks run different units (per-rank LayerDrop,
+data-dependent routing around whole blocks), their collectives pair up wrongly:
+gloo and NCCL then wait for the collective timeout (30 minutes), or, when the
+two units have the same size, silently exchange shards of DIFFERENT units.
+
+Right before each of its collectives the engine issues a tiny async all_gather
+of a three-number tag (the collective's kind, the group's index, its size in
+elements); when the collective is waited, the tags are checked first. Tag
+exchanges are the same size on every rank, so they always pair up and
+complete, even when the collectives after them do not: every rank sees the
+same mismatch at the same collective and raises the same error, before the
+mismatched collective is waited and before any of its data is read.
+
+Cost: one extra tiny collective per unit collective (measured per step in
+tests/test_core_call_patterns.py). On CUDA the check reads the tags on the
+host at each wait, a sync that defeats the CPU run-ahead that gives prefetch,
+so there it is off unless asked for (``engine.verify_collective_order(True)``):
+turn it on to debug a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from lightning_yafsdp.core.collectives import CommStats, all_gather_into
+
+_KIND_CODES = {"gather": 1, "reduce_scatter": 2}
+_TAG_NUMEL = 3
+
+
+class CollectiveOrderError(RuntimeError):
+    """Ranks were about to issue different collectives."""
+
+
+class CollectiveOrderGuard:
+    """Checks that every rank issues the same collective as this one, at each collective.
+
+    Args:
+        group: the engine's process group.
+        device: where the tags live (the engine's device: the backend serves it).
+        rank: this rank in ``group``.
+        world_size: ranks in ``group``.
+        describe: group index -> a name for error messages.
+    """
+
+    def __init__(
+        self,
+        group: ProcessGroup,
+        *,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        describe: Callable[[int], str],
+    ) -> None:
+        self.group = group
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self.describe = describe
+        # Counted apart from the engine's traffic, which tests compare with the design.
+        self.stats = CommStats()
+
+    def start(self, kind: str, *, unit: str, tag: tuple[int, int]) -> TagExchange:
+        """Issue the tag exchange of the collective about to be issued (async, tiny)."""
+        mine = torch.tensor((_KIND_CODES[kind], *tag), dtype=torch.int64, device=self.device)
+        every = torch.empty(self.world_size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
+        work = all_gather_into(every, mine, self.group, async_op=True, stats=self.stats)
+        return TagExchange(self, kind=kind, unit=unit, every=every, work=work)
+
+    def explain(self, row: tuple[int, ...]) -> str:
+        code, index, numel = row
+        kind = {v: k for k, v in _KIND_CODES.items()}.get(code, f"collective {code}")
+        return f"{kind} of '{self.describe(index)}' ({numel} elements)"
+
+
+class TagExchange:
+    """One collective's tag exchange; ``verify()`` runs before its collective is waited."""
+
+    def __init__(self, guard: CollectiveOrderGuard, *, kind: str, unit: str, every, work) -> None:
+        self._guard = guard
+        self._kind, self._unit = kind, unit
+        self._every = every
+        self._work = work
+
+    def verify(self) -> None:
+        """Wait for the tags (every rank sends them before its collective); raise if any differ.
+
+        Runs before the collective's own wait: a mismatched collective may never
+        complete, but its tag exchange always does, so every rank raises here.
+        """
+        if self._work is not None:
+            self._work.wait()
+        guard = self._guard
+        rows = [tuple(row) for row in self._every.view(guard.world_size, _TAG_NUMEL).tolist()]
+        if all(row == rows[0] for row in rows):
+            return
+        lines = [f"  rank {r}: {guard.explain(row)}" for r, row in enumerate(rows)]
+        raise CollectiveOrderError(
+            f"ranks issued different collectives (this rank, {guard.rank}, issued the "
+            f"{self._kind} of '{self._unit}'):\n" + "\n".join(lines) + "\n"
+            "Every rank must call the same sharded units in the same order in each step; "
+            "they would otherwise exchange data of different units or hang. Per-rank "
+            "randomness that skips or reorders units (LayerDrop, routing around whole blocks) "
+            "must be drawn from a generator seeded identically on every rank."
+        )

@@ -1,0 +1,162 @@
+"""Every rank of a successful fit exits with code 0, under Lightning's own launcher.
+
+A rank that aborts at interpreter exit (``terminate called without an active
+exception``, SIGABRT, shell exit code 134) after training correctly still fails a
+SLURM job. Lightning's launcher re-runs the script for rank 1 and never reports its
+exit status, and a parent may reap a child before anyone looks, so the script below
+forks itself first (before torch is imported): the parent only waits for the rank and
+writes the rank's exit status to ``rank<N>.exit``. Rank 1 is started by Lightning with
+the same command line, so it is wrapped the same way.
+
+One script fits several models reported to abort at exit (Hugging Face GPT-2, Mixtral
+with manual optimization, T5) so that one launch is sensitive to all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.test_strategy import _RANK_VARIABLES
+
+_SCRIPT = r"""
+import os
+
+# -- exit-status wrapper: the parent waits for the rank and records how it ended ------
+if os.environ.get("EXIT_STATUS_DIR"):
+    child = os.fork()  # the child goes on below as the rank
+    if child:
+        _, status = os.waitpid(child, 0)
+        code = os.waitstatus_to_exitcode(status)
+        rank = os.environ.get("LOCAL_RANK", "0")
+        path = os.path.join(os.environ["EXIT_STATUS_DIR"], f"rank{rank}.exit")
+        with open(path + ".tmp", "w") as f:
+            f.write(str(code))
+        os.replace(path + ".tmp", path)
+        os._exit(code if code >= 0 else 128 - code)
+
+# -- the rank -------------------------------------------------------------------------
+import lightning.pytorch as pl
+import torch
+import transformers
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_yafsdp  # noqa: F401 - registers "yafsdp"
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, use_cache=False
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def mixtral():
+    config = transformers.MixtralConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=128, num_local_experts=2, num_experts_per_tok=1,
+        max_position_embeddings=32, use_cache=False,
+    )
+    return transformers.MixtralForCausalLM(config)
+
+
+def t5():
+    config = transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
+        decoder_start_token_id=0, use_cache=False,
+    )
+    return transformers.T5ForConditionalGeneration(config)
+
+
+class LanguageModel(pl.LightningModule):
+    def __init__(self, build, *, manual=False):
+        super().__init__()
+        self.build = build
+        self.model = None
+        self.automatic_optimization = not manual
+
+    def configure_model(self):
+        if self.model is None:
+            self.model = self.build()
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        loss = self.model(input_ids=tokens, labels=tokens).loss
+        if self.automatic_optimization:
+            return loss
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+    def validation_step(self, batch, batch_idx):
+        (tokens,) = batch
+        self.log("val_loss", self.model(input_ids=tokens, labels=tokens).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+if __name__ == "__main__":
+    tokens = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(tokens), batch_size=2)
+    fitted = 0
+    for build, manual in ((gpt2, False), (mixtral, True), (t5, False)):
+        trainer = pl.Trainer(
+            strategy="yafsdp", accelerator="cpu", devices=2, max_steps=2,
+            limit_val_batches=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(LanguageModel(build, manual=manual), loader, loader)
+        fitted += 1
+    print(f"rank {trainer.global_rank} fitted {fitted}", flush=True)
+"""
+
+
+def _run_launcher(script: Path, *, env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    # Its own process group, so that a hang kills rank 1 and the forked ranks too.
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=script.parent,
+        start_new_session=True,
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _exit_codes(statuses: Path, *, expected: int, wait_s: float = 60.0) -> dict[str, int]:
+    # Rank 0 does not wait for rank 1: its status may land after the launcher returned.
+    deadline = time.monotonic() + wait_s
+    while len(list(statuses.glob("*.exit"))) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return {p.stem: int(p.read_text()) for p in statuses.glob("*.exit")}
+
+
+def test_every_rank_of_successful_fits_exits_with_code_zero(tmp_path):
+    script = tmp_path / "fit_and_exit.py"
+    script.write_text(_SCRIPT)
+    statuses = tmp_path / "statuses"
+    statuses.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env.update(PYTHONPATH=str(Path(__file__).parents[1]), EXIT_STATUS_DIR=str(statuses))
+
+    proc = _run_launcher(script, env=env, timeout_s=240)
+
+    for rank in (0, 1):
+        assert f"rank {rank} fitted 3" in proc.stdout, proc.stderr[-3000:]
+    codes = _exit_codes(statuses, expected=2)
+    assert codes == {"rank0": 0, "rank1": 0}, proc.stderr[-3000:]
+    assert proc.returncode == 0
+    assert "terminate called" not in proc.stderr
