@@ -96,14 +96,14 @@ def test_units_called_differently_on_ranks_fail_every_rank_within_seconds() -> N
         assert seconds < 10, f"rank {rank} took {seconds:.1f} s"
 
 
-def test_collective_order_guard_costs_little_per_step() -> None:
+def test_collective_order_guard_adds_one_tag_exchange_per_collective() -> None:
     cost = dist_run(2, scenarios.guard_cost, timeout_s=200)[0]
     on = min(cost["on_0"], cost["on_1"])
     off = min(cost["off_0"], cost["off_1"])
     per_check = (on - off) / cost["checks_per_step"]
+    # Reported, not asserted (timings are for benchmarks): about 1 ms per tiny gloo
+    # all_gather on 2 loaded CPU cores.
     print(f"order guard: {on:.2f} ms/step on, {off:.2f} off, {per_check:.3f} ms per check")
     # 4 units, ZeRO-3: 4 + 2 gathers in forward and backward, 4 reduces, 2 resident
     # gathers and 2 resident reduces: one tag exchange each.
     assert cost["checks_per_step"] == 14
-    # Measured on 2 shared CPU cores: about 1 ms per tiny gloo all_gather under load.
-    assert per_check < 5.0
