@@ -71,6 +71,7 @@ from lightning_yafsdp.checkpoint import (
     sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
+from lightning_yafsdp.core.materialize import Materializer
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.precision import YaFSDPPrecision
 from lightning_yafsdp.pretrained import lazy_from_pretrained
@@ -124,8 +125,11 @@ class YaFSDPStrategy(ParallelStrategy):
             method if it has one, else the model's own scheme: ``reset_parameters()``
             and, inside a Hugging Face model, its ``_init_weights``. Anything left
             uninitialized stops ``setup`` with an error naming it.
-        sync_module_states: Broadcast rank 0's weights before sharding (for models whose
-            initialization is not identical on every rank). Default False.
+        sync_module_states: Broadcast rank 0's weights and buffers before sharding, so
+            that every rank starts from the same model, as DDP does. ``None`` (default):
+            for models built with real tensors (in ``__init__``, under
+            ``init_module()``); a meta-built model is initialized identically on every
+            rank without it.
         cast_forward_inputs: Cast floating inputs of units to the compute dtype.
             Default True.
         timeout: Collective timeout of the process group: if a rank dies, the others
@@ -159,7 +163,7 @@ class YaFSDPStrategy(ParallelStrategy):
         reduce_dtype: torch.dtype = torch.float32,
         activation_checkpointing: CheckpointSpec = None,
         param_init_fn: Callable[[nn.Module], None] | None = None,
-        sync_module_states: bool = False,
+        sync_module_states: bool | None = None,
         cast_forward_inputs: bool = True,
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
@@ -359,6 +363,14 @@ class YaFSDPStrategy(ParallelStrategy):
         if self._layer_sync.apply(module) is not module:
             raise RuntimeError("sync_batchnorm replaced the LightningModule itself")
 
+    def _resolve_sync_module_states(self, module: nn.Module) -> bool:
+        # As DDP: a model built with real tensors starts from rank 0's weights and buffers
+        # on every rank, seeded alike or not. A meta-built model needs no broadcast: it is
+        # initialized from a seed broadcast from rank 0 ([Note: init seed]).
+        if self._sync_module_states is not None:
+            return self._sync_module_states
+        return not any(p.is_meta for p in module.parameters())
+
     def _shard(self, module: pl.LightningModule) -> YaFSDPEngine:
         existing = module.__dict__.get("_yafsdp_engine")
         if existing is not None:
@@ -366,7 +378,9 @@ class YaFSDPStrategy(ParallelStrategy):
             return existing
         _check_single_device(module)
         if not _has_meta_parameters(module):
-            # An already-built model: each rank holds it whole until it is sharded.
+            # An already-built model: each rank holds it whole until it is sharded. Its
+            # parameters may be loaded onto a meta build, its non-persistent buffers not.
+            _materialize_meta_buffers(module, self.root_device)
             module.to(self.root_device)
         plugin = self.precision_plugin
         return shard_model(
@@ -378,7 +392,7 @@ class YaFSDPStrategy(ParallelStrategy):
             master_dtype=plugin.master_dtype,
             zero_stage=self._zero_stage,
             activation_checkpointing=_checkpoint_spec(module, self._activation_checkpointing),
-            sync_module_states=self._sync_module_states,
+            sync_module_states=self._resolve_sync_module_states(module),
             cast_forward_inputs=self._cast_forward_inputs,
             param_init_fn=self._param_init_fn or getattr(module, "init_submodule", None),
         )
@@ -387,7 +401,21 @@ class YaFSDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # fit -> validate -> fit again: optimizers from an earlier stage hold stale state.
         self._reset_optimizers_and_schedulers()
-        super().setup_optimizers(trainer)
+        try:
+            super().setup_optimizers(trainer)
+        except ValueError as error:
+            if "empty parameter list" not in str(error):
+                raise
+            message = _selection_message("an optimizer got an empty parameter list")
+            raise ValueError(message) from error
+        for index, optimizer in enumerate(self.optimizers):
+            for group_index, group in enumerate(optimizer.param_groups):
+                if not group["params"]:
+                    raise ValueError(
+                        _selection_message(
+                            f"param group {group_index} of optimizer {index} is empty"
+                        )
+                    )
 
     @override
     def model_to_device(self) -> None:
@@ -544,6 +572,20 @@ def _to_yafsdp_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
     )
 
 
+def _selection_message(found: str) -> str:
+    # Until per-parameter sharded views land, an optimizer sees two master shards.
+    return (
+        f"{found}: after sharding, the LightningModule's parameters are the engine's two "
+        "fused master shards (_yafsdp_flat_shard, _yafsdp_norm_shard), so selecting "
+        "parameters by submodule, name, p.dim() or requires_grad in configure_optimizers "
+        "finds none of them, and training would silently differ from DDP. Build the "
+        "optimizer over self.parameters(), or over "
+        "self.trainer.strategy.engine.param_groups(weight_decay=...) (blocks, embeddings and "
+        "head with decay, norms without); per-module or per-name groups and several "
+        "optimizers over parts of the model are not supported yet."
+    )
+
+
 def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
     lines = [f"YaFSDPStrategy got unexpected argument(s): {', '.join(sorted(unknown))}."]
     for name in sorted(unknown):
@@ -572,16 +614,24 @@ def _has_meta_parameters(module: nn.Module) -> bool:
     return any(p.is_meta for p in module.parameters())
 
 
+def _materialize_meta_buffers(module: nn.Module, device: torch.device) -> None:
+    # [Note: meta buffers beside loaded parameters] in core/materialize.py. The seed is
+    # fixed, so every rank derives the same values without a collective.
+    Materializer(module, device=device, init_fn=None, seed=0).materialize_meta_buffers()
+
+
 def _check_single_device(module: nn.Module) -> None:
     meta = [name for name, p in module.named_parameters() if p.is_meta]
     real = [name for name, p in module.named_parameters() if not p.is_meta]
     if meta and real:
         raise ValueError(
             f"{type(module).__name__} mixes parameters built on the meta device in "
-            f"configure_model ({meta[:3]}...) with parameters built eagerly, e.g. in "
-            f"__init__ ({real[:3]}...); they cannot be sharded together. Build all of them in "
-            "configure_model, or all of them with real tensors (in __init__, or in "
-            "configure_model under `with torch.device('cpu'):`)."
+            "configure_model or under trainer.init_module(empty_init=True) and never loaded "
+            f"({meta[:3]}...) with real ones, built eagerly (e.g. in __init__) or loaded with "
+            f"load_state_dict(..., assign=True) ({real[:3]}...); they cannot be sharded "
+            "together. Build all of them in configure_model, load all of them (a state dict "
+            "with every parameter, strict=True), or build all of them with real tensors (in "
+            "__init__, or in configure_model under `with torch.device('cpu'):`)."
         )
 
 

@@ -21,6 +21,11 @@ group, in this order:
 5. **Check**: a floating tensor still holding a NaN, or an integer/bool tensor never
    written and still equal to the sentinel, was not initialized by anything; sharding
    stops with an error naming it and saying how to fix it ([Note: init guard]).
+
+A model whose parameters are all real but whose non-persistent buffers are still meta (a
+meta build loaded with ``load_state_dict(..., assign=True)``) goes through
+``materialize_meta_buffers`` instead: steps 1, 3, 4 and 5 for those buffers only, and
+nothing already real may change ([Note: meta buffers beside loaded parameters]).
 """
 
 from __future__ import annotations
@@ -43,6 +48,22 @@ from lightning_yafsdp.core.collectives import CommStats, broadcast_
 TENSOR_SOURCE_ATTR = "_yafsdp_tensor_source"
 _HF_FLAG = "_is_hf_initialized"
 _MAX_NAMED = 8
+_META_FIX = (
+    "Fix one of: define reset_parameters() on the module so that it sets them; "
+    "define init_submodule(module) on the LightningModule or pass param_init_fn= "
+    "(YaFSDPStrategy / shard_model); or build the model with real tensors (in "
+    "__init__, or in configure_model under `with torch.device('cpu'):`) or load "
+    "them (from_pretrained, load_state_dict)."
+)
+_META_BUFFER_FIX = (
+    "Every parameter is real (loaded, e.g. load_state_dict(..., assign=True) after "
+    "trainer.init_module(empty_init=True)) but these buffers are still on the meta device, "
+    "and the engine re-initializes nothing beside loaded weights. Fix one of: give them "
+    "their values after loading (a non-persistent buffer is in no state dict: e.g. "
+    "`module.register_buffer(name, value, persistent=False)`, computed as the module's "
+    "__init__ does); define reset_parameters() on a parameter-free module that owns them; "
+    "or build the model with real tensors (trainer.init_module() without empty_init=True)."
+)
 
 
 def draw_init_seed(group: ProcessGroup, device: torch.device, *, stats: CommStats) -> int:
@@ -144,6 +165,38 @@ class Materializer:
                     "configure_model, or build it in __init__."
                 )
 
+    def materialize_meta_buffers(self) -> None:
+        """Re-derive the meta buffers of a model whose parameters are all real.
+
+        [Note: meta buffers beside loaded parameters] ``trainer.init_module(empty_init=True)``
+        builds on meta; ``load_state_dict(sd, assign=True)`` then makes every parameter and
+        persistent buffer real, but a non-persistent buffer (HF rotary ``inv_freq``, CLIP's
+        ``position_ids``) is in no state dict and stays meta. Each is computed as the model
+        computes it: its Hugging Face model's ``_init_weights`` restricted to these buffers
+        ([Note: group-restricted HF init]), and ``reset_parameters()`` only of an owner that
+        holds no parameter (on any other it would overwrite loaded weights). The init guard
+        checks every buffer got a value, and a real tensor whose version counter moved (it
+        was written) stops with an error: loaded values are never changed.
+        """
+        modules = [
+            sub
+            for sub in self.root.modules()
+            if any(b is not None and b.is_meta for b in sub._buffers.values())
+        ]
+        if not modules:
+            return
+        real_before = _real_tensor_versions(self.root)
+        fresh = self._allocate(modules)
+        versions = [_poison(t) for _, _, t in fresh]
+        tensors = [t for _, _, t in fresh]
+        owners = _unique([m for m, _, _ in fresh])
+        with torch.no_grad(), _seeded(self.device, self.seed):
+            with _hf_guard(), _others_flagged_initialized(self.root, tensors):
+                self._reset_parameters_of([m for m in owners if next(m.parameters(), None) is None])
+                self._hf_init_upward(owners)
+        _check_unchanged(real_before)
+        self._check(fresh, versions, fix=_META_BUFFER_FIX)
+
     # -- steps ------------------------------------------------------------------------
 
     def _allocate(self, modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
@@ -201,13 +254,23 @@ class Materializer:
         return f"{module_name}.{attr}" if module_name else attr
 
     def _default_init(self, owners: list[nn.Module]) -> None:
+        self._reset_parameters_of(owners)
+        visit = self._hf_init_upward(owners)
+        for layer, configs in self._lora_layers:
+            if id(layer) in visit:
+                _reset_lora_adapters(layer, configs, self._module_names.get(id(layer), "?"))
+
+    def _reset_parameters_of(self, owners: list[nn.Module]) -> None:
         owner_ids = {id(m) for m in owners}
         for module in self._post_order:
             if id(module) in owner_ids:
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
-        visit = set(owner_ids)
+
+    def _hf_init_upward(self, owners: list[nn.Module]) -> set[int]:
+        """HF ``_init_weights`` on the owners and all their ancestors; the ids visited."""
+        visit = {id(m) for m in owners}
         stack = list(owners)
         while stack:
             for parent in self._parents.get(id(stack.pop()), ()):
@@ -223,20 +286,18 @@ class Materializer:
                 and id(module) not in self._adapter_modules
             ):
                 hf_model._init_weights(module)
-        for layer, configs in self._lora_layers:
-            if id(layer) in visit:
-                _reset_lora_adapters(layer, configs, self._module_names.get(id(layer), "?"))
+        return visit
 
-    def _check(self, initialized, versions: list[int]) -> None:
+    def _check(self, initialized, versions: list[int], *, fix: str = _META_FIX) -> None:
         untouched = [
             item
             for item, version in zip(initialized, versions, strict=True)
             if _still_poisoned(item[2], version)
         ]
         if untouched:
-            raise RuntimeError(self._uninitialized_message(untouched))
+            raise RuntimeError(self._uninitialized_message(untouched, fix=fix))
 
-    def _uninitialized_message(self, untouched) -> str:
+    def _uninitialized_message(self, untouched, *, fix: str) -> str:
         lines = [f"  {self._describe(module, attr, t)}" for module, attr, t in untouched]
         if len(lines) > _MAX_NAMED:
             lines = [*lines[:_MAX_NAMED], f"  ... and {len(lines) - _MAX_NAMED} more"]
@@ -244,11 +305,8 @@ class Materializer:
             "meta-device initialization left these tensors uninitialized (they still hold "
             "the NaN/sentinel the engine filled them with; training would read garbage):\n"
             + "\n".join(lines)
-            + "\nFix one of: define reset_parameters() on the module so that it sets them; "
-            "define init_submodule(module) on the LightningModule or pass param_init_fn= "
-            "(YaFSDPStrategy / shard_model); or build the model with real tensors (in "
-            "__init__, or in configure_model under `with torch.device('cpu'):`) or load "
-            "them (from_pretrained, load_state_dict)."
+            + "\n"
+            + fix
         )
 
     def _describe(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> str:
@@ -403,6 +461,23 @@ def _copy_saved(tensor: torch.Tensor, saved: torch.Tensor, name: str) -> None:
         )
     with torch.no_grad():
         tensor.copy_(saved)
+
+
+def _real_tensor_versions(root: nn.Module) -> list[tuple[str, torch.Tensor, int]]:
+    named = [*root.named_parameters(), *root.named_buffers()]
+    return [(name, t, t._version) for name, t in named if not t.is_meta]
+
+
+def _check_unchanged(real_before: list[tuple[str, torch.Tensor, int]]) -> None:
+    written = [name for name, tensor, version in real_before if tensor._version != version]
+    if written:
+        raise RuntimeError(
+            f"re-deriving the meta-device buffers wrote {len(written)} tensors that were "
+            f"already real (e.g. {written[:3]}), i.e. loaded weights; the model's init code "
+            "writes them without honouring `_is_hf_initialized`. Build the model with real "
+            "tensors (trainer.init_module() without empty_init=True), or give the meta "
+            "buffers their values yourself after load_state_dict."
+        )
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor | None]:

@@ -81,7 +81,8 @@ def shard_model(
         activation_checkpointing: None; "all"; unit indices; or a predicate
             ``(index, name) -> bool`` selecting units whose forward runs under
             non-reentrant activation checkpointing.
-        sync_module_states: broadcast each group from rank 0 before sharding.
+        sync_module_states: broadcast each group, and then every buffer (frozen
+            parameters included), from rank 0 before sharding, as DDP does.
         cast_forward_inputs: cast floating unit inputs to ``param_dtype``.
         param_init_fn: for a model built on the meta device: called on each
             unit module (and on each other module owning parameters or
@@ -121,7 +122,7 @@ def shard_model(
     check_backend(str(dist.get_backend(group)), device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
-    unit_modules = find_units(module, units)
+    unit_modules = _trainable_units(module, find_units(module, units), auto=units is None)
     plan = _plan(module, unit_modules, norm_classes, world_size)
     unit_specs, norm_spec, root_spec, frozen = plan.specs
     unit_layouts = [layout for _, layout in plan.units]
@@ -192,6 +193,8 @@ def shard_model(
     _rewire_module(module, engine, frozen)
     if init_on is not None:
         init_on.materialize_rest(module)
+    if sync_module_states:
+        _broadcast_buffers(module, group, stats)
     _apply_activation_checkpointing(engine, activation_checkpointing)
     engine.comm_stats.reset()
     return engine
@@ -221,7 +224,28 @@ def plan_layouts(
     Needs no process group and works on meta-device models: memory estimates
     (``yafsdp estimate``) use it so that they match the engine exactly.
     """
-    return _plan(module, find_units(module, units), norm_classes, world_size)
+    unit_modules = _trainable_units(module, find_units(module, units), auto=units is None)
+    return _plan(module, unit_modules, norm_classes, world_size)
+
+
+def _trainable_units(root: nn.Module, unit_modules, *, auto: bool):
+    """Auto-detected blocks that are wholly frozen are no units: they stay replicated.
+
+    Units named by the user, and those of a model with nothing trainable at all, are
+    kept as given: ``_plan`` refuses them with the message that fits.
+    """
+    if not auto or not any(p.requires_grad for p in root.parameters()):
+        return unit_modules
+    kept = [(n, m) for n, m in unit_modules if any(p.requires_grad for p in m.parameters())]
+    if not kept:
+        names = [name for name, _ in unit_modules]
+        raise ValueError(
+            f"every auto-detected block ({names[:3]}...) has no trainable parameters "
+            "(requires_grad=False), so "
+            "there is nothing to shard one block at a time. Unfreeze some blocks, or pass "
+            "units= naming modules that hold trainable parameters."
+        )
+    return kept
 
 
 def _plan(module, unit_modules, norm_classes, world_size) -> ShardingPlan:
@@ -373,6 +397,19 @@ def _build_master(groups, *, rank, group, sync, stats, device, dtype, init) -> t
     return master
 
 
+@torch.no_grad()
+def _broadcast_buffers(module: nn.Module, group: ProcessGroup, stats: CommStats) -> None:
+    # As DDP at construction: every rank starts from rank 0's buffers (running stats,
+    # frozen parameters, anything __init__ drew at random), in named_buffers() order.
+    for _, buffer in module.named_buffers():
+        if not buffer.numel():
+            continue
+        staged = buffer if buffer.is_contiguous() else buffer.contiguous()
+        broadcast_(staged, group, src_rank=0, stats=stats)
+        if staged is not buffer:
+            buffer.copy_(staged)
+
+
 def _default_device(group: ProcessGroup) -> torch.device:
     backend = str(dist.get_backend(group)).lower()
     if "nccl" in backend and torch.cuda.is_available():
@@ -420,9 +457,17 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine, frozen) -> None:
     module.register_parameter("_yafsdp_flat_shard", engine.flat_shard)
     if engine.norm_shard is not None:
         module.register_parameter("_yafsdp_norm_shard", engine.norm_shard)
-    # Any module that owns resident parameters (and the root) makes sure they
-    # are gathered and exposed before it runs, whoever calls it.
-    owner_modules = [module] + [o.module for g in engine.residents for os_ in g.owners for o in os_]
+    # Any module that owns resident parameters, every ancestor of one, and the root make
+    # sure they are gathered and exposed before it runs, whoever calls it: a parent may
+    # read a child's weight before calling it (CLIP's text embeddings read
+    # position_embedding.weight.shape), and Lightning never calls the root's forward.
+    owner_modules = [module] + [
+        module.get_submodule(prefix)
+        for group in engine.residents
+        for owners in group.owners
+        for owner in owners
+        for prefix in _module_path_prefixes(owner.name)
+    ]
     for owner_module in owner_modules:
         if id(owner_module) in hooked:
             continue
@@ -431,6 +476,12 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine, frozen) -> None:
             owner_module.register_forward_pre_hook(lambda *_: engine.begin_forward())
         )
     module.__dict__["_yafsdp_engine"] = engine
+
+
+def _module_path_prefixes(param_name: str) -> list[str]:
+    """``"a.b.c.weight"`` -> ``["a", "a.b", "a.b.c"]``: the owner and its ancestors."""
+    parts = param_name.split(".")[:-1]
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) -> None:
