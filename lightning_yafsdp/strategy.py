@@ -73,6 +73,14 @@ from lightning_yafsdp.checkpoint import (
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
 from lightning_yafsdp.core.materialize import Materializer
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
+from lightning_yafsdp.model_checks import (
+    check_no_meta_metric_states,
+    check_single_device,
+    check_still_sharded,
+    check_sync_batchnorm_device,
+    has_meta_parameters,
+    selection_message,
+)
 from lightning_yafsdp.precision import YaFSDPPrecision
 from lightning_yafsdp.pretrained import lazy_from_pretrained
 from lightning_yafsdp.summary import use_sharded_summaries
@@ -336,10 +344,10 @@ class YaFSDPStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        _check_no_meta_metric_states(self.lightning_module)
+        check_no_meta_metric_states(self.lightning_module)
         self._apply_layer_sync()
         if trainer.state.fn == TrainerFn.FITTING:
-            _check_sync_batchnorm_device(self.lightning_module, self.root_device)
+            check_sync_batchnorm_device(self.lightning_module, self.root_device)
         self._engine = self._shard(self.lightning_module)
         self.model_to_device()
         self.precision_plugin.connect_engine(self._engine)
@@ -374,10 +382,10 @@ class YaFSDPStrategy(ParallelStrategy):
     def _shard(self, module: pl.LightningModule) -> YaFSDPEngine:
         existing = module.__dict__.get("_yafsdp_engine")
         if existing is not None:
-            _check_still_sharded(module, existing)
+            check_still_sharded(module, existing)
             return existing
-        _check_single_device(module)
-        if not _has_meta_parameters(module):
+        check_single_device(module)
+        if not has_meta_parameters(module):
             # An already-built model: each rank holds it whole until it is sharded. Its
             # parameters may be loaded onto a meta build, its non-persistent buffers not.
             _materialize_meta_buffers(module, self.root_device)
@@ -406,13 +414,13 @@ class YaFSDPStrategy(ParallelStrategy):
         except ValueError as error:
             if "empty parameter list" not in str(error):
                 raise
-            message = _selection_message("an optimizer got an empty parameter list")
+            message = selection_message("an optimizer got an empty parameter list")
             raise ValueError(message) from error
         for index, optimizer in enumerate(self.optimizers):
             for group_index, group in enumerate(optimizer.param_groups):
                 if not group["params"]:
                     raise ValueError(
-                        _selection_message(
+                        selection_message(
                             f"param group {group_index} of optimizer {index} is empty"
                         )
                     )
@@ -572,20 +580,6 @@ def _to_yafsdp_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
     )
 
 
-def _selection_message(found: str) -> str:
-    # Until per-parameter sharded views land, an optimizer sees two master shards.
-    return (
-        f"{found}: after sharding, the LightningModule's parameters are the engine's two "
-        "fused master shards (_yafsdp_flat_shard, _yafsdp_norm_shard), so selecting "
-        "parameters by submodule, name, p.dim() or requires_grad in configure_optimizers "
-        "finds none of them, and training would silently differ from DDP. Build the "
-        "optimizer over self.parameters(), or over "
-        "self.trainer.strategy.engine.param_groups(weight_decay=...) (blocks, embeddings and "
-        "head with decay, norms without); per-module or per-name groups and several "
-        "optimizers over parts of the model are not supported yet."
-    )
-
-
 def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
     lines = [f"YaFSDPStrategy got unexpected argument(s): {', '.join(sorted(unknown))}."]
     for name in sorted(unknown):
@@ -610,72 +604,10 @@ def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
     return lambda index, name: isinstance(module.get_submodule(name), classes)
 
 
-def _has_meta_parameters(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
-
-
 def _materialize_meta_buffers(module: nn.Module, device: torch.device) -> None:
     # [Note: meta buffers beside loaded parameters] in core/materialize.py. The seed is
     # fixed, so every rank derives the same values without a collective.
     Materializer(module, device=device, init_fn=None, seed=0).materialize_meta_buffers()
-
-
-def _check_single_device(module: nn.Module) -> None:
-    meta = [name for name, p in module.named_parameters() if p.is_meta]
-    real = [name for name, p in module.named_parameters() if not p.is_meta]
-    if meta and real:
-        raise ValueError(
-            f"{type(module).__name__} mixes parameters built on the meta device in "
-            "configure_model or under trainer.init_module(empty_init=True) and never loaded "
-            f"({meta[:3]}...) with real ones, built eagerly (e.g. in __init__) or loaded with "
-            f"load_state_dict(..., assign=True) ({real[:3]}...); they cannot be sharded "
-            "together. Build all of them in configure_model, load all of them (a state dict "
-            "with every parameter, strict=True), or build all of them with real tensors (in "
-            "__init__, or in configure_model under `with torch.device('cpu'):`)."
-        )
-
-
-def _check_sync_batchnorm_device(module: nn.Module, device: torch.device) -> None:
-    synced = [name for name, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)]
-    if synced and device.type == "cpu":
-        raise ValueError(
-            f"the model has SyncBatchNorm layers ({synced[:3]}), from sync_batchnorm=True or "
-            "built in, and trains on CPU: torch's SyncBatchNorm runs on GPUs only (it has no "
-            "CPU kernels; DDP refuses it on CPU too). Train on GPUs, or drop "
-            "sync_batchnorm=True (each rank then normalizes with its own batch statistics)."
-        )
-
-
-def _check_no_meta_metric_states(module: nn.Module) -> None:
-    from torchmetrics import Metric
-
-    on_meta = [
-        f"{name}.{state}"
-        for name, metric in module.named_modules()
-        if isinstance(metric, Metric)
-        for state, value in metric.metric_state.items()
-        if any(t.is_meta for t in (value if isinstance(value, list) else [value]))
-    ]
-    if on_meta:
-        raise ValueError(
-            f"metric states {on_meta[:3]} are on the meta device: the metrics were created "
-            "under trainer.init_module(empty_init=True), which gives tensors no values, and a "
-            "metric's starting state cannot be restored from there. Create the metrics outside "
-            "it: build the model under trainer.init_module() without empty_init=True, or build "
-            "the layers in configure_model() and keep the metrics in __init__."
-        )
-
-
-def _check_still_sharded(module: nn.Module, engine: YaFSDPEngine) -> None:
-    masters = {id(p) for p in engine.master_parameters()}
-    added = [name for name, p in module.named_parameters() if id(p) not in masters]
-    if added:
-        raise RuntimeError(
-            f"configure_model() added parameters {added[:3]} to a model that is already "
-            "sharded (configure_model runs again for every fit/validate/test/predict). Make it "
-            "idempotent: return early when the model exists, e.g. "
-            "`if self.model is not None: return`."
-        )
 
 
 # Loading this module registers the strategy (see lightning_yafsdp/_registration.py).
