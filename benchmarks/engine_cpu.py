@@ -15,7 +15,19 @@ Strategies run in a rotating order over ``--rounds`` rounds; each job runs
 ``--warmup`` unmeasured steps, then ``--steps`` measured steps. A step's time is
 the slower rank's wall time for forward + loss + backward + optimizer step +
 zero_grad; the reported step time is the median over all measured steps of
-all rounds. Each rank uses ``torch.set_num_threads(1)`` (2 ranks on 2 cores).
+all rounds. ``optimizer.step()`` alone is timed too (same rule: the slower rank
+per step, median over all measured steps), in wall time and in the rank process's
+CPU time (``time.process_time``), which a busy shared machine disturbs less than
+wall time (a descheduled rank accrues none). Each rank uses
+``torch.set_num_threads(1)`` (2 ranks on 2 cores).
+
+``--param-groups N`` sets the optimizer's param groups. ``1`` (default): each
+strategy's usual groups (``engine.param_groups(weight_decay=0.1)`` for yafsdp,
+``model.parameters()`` for DDP/FSDP2). ``N > 1``: the model's parameters, in
+``named_parameters()`` order, dealt round-robin into N groups, each with its own
+learning rate, and each split by the usual decay rule (weight decay 0.1 for
+``p.dim() >= 2``, 0 for the rest), so up to 2N torch param groups. The engine must
+give the original parameters back for this (per-parameter sharded views).
 
 Examples::
 
@@ -24,6 +36,7 @@ Examples::
     python benchmarks/engine_cpu.py --model debug-50m --batch 4 --seq 128 \\
         --steps 8 --warmup 2 --rounds 2 --json results.json
     python benchmarks/engine_cpu.py --profile yafsdp-z3      # torch.profiler, rank 0
+    python benchmarks/engine_cpu.py --strategies yafsdp-z3 --param-groups 10 --no-memory-pass
 """
 
 from __future__ import annotations
@@ -51,7 +64,34 @@ GOAL_MEM_VS_FSDP2 = 1.00
 # --------------------------------------------------------------------------- one rank
 
 
-def _build(strategy: str, model_name: str, seed: int):
+BASE_LR = 1e-4
+WEIGHT_DECAY = 0.1
+
+
+def round_robin_groups(named_params, n_groups: int) -> list[dict]:
+    """``named_params`` dealt round-robin into ``n_groups`` learning rates, each split by dim.
+
+    Group ``i`` gets every ``n_groups``-th parameter starting at ``i`` and the learning rate
+    ``BASE_LR * (1 + i / n_groups)``; within it, ``p.dim() >= 2`` parameters get weight decay
+    ``WEIGHT_DECAY`` and the rest 0 (the nanoGPT/litgpt rule). Empty groups are left out.
+    """
+    dealt: list[list] = [[] for _ in range(n_groups)]
+    for index, (_, param) in enumerate(named_params):
+        dealt[index % n_groups].append(param)
+    groups = []
+    for i, params in enumerate(dealt):
+        lr = BASE_LR * (1 + i / n_groups)
+        decay = [p for p in params if p.dim() >= 2]
+        no_decay = [p for p in params if p.dim() < 2]
+        groups += [
+            {"params": ps, "lr": lr, "weight_decay": wd}
+            for ps, wd in ((decay, WEIGHT_DECAY), (no_decay, 0.0))
+            if ps
+        ]
+    return groups
+
+
+def _build(strategy: str, model_name: str, seed: int, param_groups: int = 1):
     """Build the model (same seed on every rank), wrap it, return (model, optimizer, engine)."""
     import torch
 
@@ -79,7 +119,16 @@ def _build(strategy: str, model_name: str, seed: int):
         params = model.parameters()
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
-    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
+    if param_groups > 1:
+        names = [name for name, _ in model.named_parameters()]
+        if any(name.startswith("_yafsdp_") for name in names):
+            raise SystemExit(
+                f"--param-groups {param_groups}: this engine's model has only its fused "
+                f"master shards as parameters ({names}), not the original parameters, so "
+                "they cannot be split into groups; use --param-groups 1 on this tree"
+            )
+        params = round_robin_groups(model.named_parameters(), param_groups)
+    optimizer = torch.optim.AdamW(params, lr=BASE_LR, weight_decay=WEIGHT_DECAY)
     return model, optimizer, engine
 
 
@@ -103,7 +152,9 @@ def _rank_main(rank: int, cfg: dict) -> None:
     import_rss = m.current_rss_kib()  # torch + lightning_yafsdp imported, group up
     hwm_reset = m.reset_hwm()
 
-    model, optimizer, engine = _build(cfg["strategy"], cfg["model"], cfg["seed"])
+    model, optimizer, engine = _build(
+        cfg["strategy"], cfg["model"], cfg["seed"], cfg["param_groups"]
+    )
     vocab = 256 if cfg["model"] in ("tiny", "debug-50m") else None
     if vocab is None:
         from lightning_yafsdp.models.llama import LlamaConfig
@@ -123,12 +174,15 @@ def _rank_main(rank: int, cfg: dict) -> None:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         loss.backward()
+        opt_start, opt_cpu_start = time.perf_counter(), time.process_time()
         optimizer.step()
+        opt_elapsed = time.perf_counter() - opt_start
+        opt_cpu = time.process_time() - opt_cpu_start
         optimizer.zero_grad()
-        return loss.detach()
+        return loss.detach(), opt_elapsed, opt_cpu
 
     profiler = None
-    times, losses = [], []
+    times, opt_times, opt_cpu_times, losses = [], [], [], []
     for i, tokens in enumerate(batches):
         if i == cfg["warmup"]:
             if engine is not None:
@@ -140,11 +194,13 @@ def _rank_main(rank: int, cfg: dict) -> None:
                 )
                 profiler.__enter__()
         start = time.perf_counter()
-        loss = step(tokens)
+        loss, opt_elapsed, opt_cpu = step(tokens)
         elapsed = time.perf_counter() - start
         losses.append(float(loss))
         if i >= cfg["warmup"]:
             times.append(elapsed)
+            opt_times.append(opt_elapsed)
+            opt_cpu_times.append(opt_cpu)
     comm = engine.comm_stats.snapshot() if engine is not None else None
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -158,6 +214,9 @@ def _rank_main(rank: int, cfg: dict) -> None:
     result = {
         "rank": rank,
         "step_times_s": times,
+        "optimizer_step_times_s": opt_times,
+        "optimizer_step_cpu_times_s": opt_cpu_times,
+        "n_param_groups": len(optimizer.param_groups),
         "losses": losses,
         "import_rss_kib": import_rss,
         "import_peak_kib": import_peak,
@@ -206,6 +265,7 @@ def _spawn(strategy, args, profile, steps, warmup, mp) -> list[dict]:
             "warmup": warmup,
             "seed": args.seed,
             "threads": args.threads,
+            "param_groups": args.param_groups,
             "init_method": f"file://{tmp}/store",
             "out_dir": tmp,
             "profile": profile,
@@ -228,15 +288,25 @@ def _memory(jobs: list[list[dict]]) -> dict:
 
 
 def _summarize(strategy: str, jobs: list[list[dict]], mem_jobs: list[list[dict]], steps: int):
-    step_times = []  # the slower rank's time, per measured step, all rounds
+    step_times, opt_times, opt_cpu_times = [], [], []  # the slower rank's, per measured step
     for job in jobs:
         step_times += m.slower_rank_times(job)
+        opt_times += m.slower_rank_times(job, "optimizer_step_times_s")
+        opt_cpu_times += m.slower_rank_times(job, "optimizer_step_cpu_times_s")
     summary = {
         "strategy": strategy,
         "median_step_s": statistics.median(step_times),
         "min_step_s": min(step_times),
         "max_step_s": max(step_times),
         "step_times_s": step_times,
+        "median_optimizer_step_s": statistics.median(opt_times),
+        "optimizer_step_times_s": opt_times,
+        "optimizer_step_median_per_job_s": [
+            m.median_step(job, "optimizer_step_times_s") for job in jobs
+        ],
+        "median_optimizer_step_cpu_s": statistics.median(opt_cpu_times),
+        "optimizer_step_cpu_times_s": opt_cpu_times,
+        "n_param_groups": jobs[0][0]["n_param_groups"],
         "timing_runs_memory": _memory(jobs),
         "memory_pass": _memory(mem_jobs) if mem_jobs else None,
         "first_loss_per_rank": [jobs[0][r]["losses"][0] for r in range(WORLD_SIZE)],
@@ -258,6 +328,7 @@ def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
     header = [
         "strategy",
         "median step (s)",
+        "optimizer step (ms)",
         "tokens/s",
         "peak RSS/rank, timing runs (MiB)",
         "peak RSS/rank, memory pass (MiB)",
@@ -280,6 +351,7 @@ def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
             [
                 name,
                 f"{step:.3f}",
+                f"{1000 * s['median_optimizer_step_s']:.1f}",
                 f"{tokens_per_step / step:,.0f}",
                 m.pair(s["timing_runs_memory"]["peak_rss_mib_per_rank"]),
                 m.pair(mp_["peak_rss_mib_per_rank"]) if mp_ else "-",
@@ -290,7 +362,14 @@ def render_table(summaries: dict[str, dict], tokens_per_step: int) -> str:
                 m.fmt_comm(s.get("comm_per_step")),
             ]
         )
-    return m.markdown_table(header, rows, "lrrrrrllll")
+    return m.markdown_table(header, rows, "lrrrrrrllll")
+
+
+def _package_dir() -> str:
+    """Where the measured ``lightning_yafsdp`` comes from (set ``PYTHONPATH`` to pick a tree)."""
+    import lightning_yafsdp
+
+    return str(Path(lightning_yafsdp.__file__).resolve().parent.parent)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="rotations over the strategies")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--param-groups",
+        type=int,
+        default=1,
+        metavar="N",
+        help="1: each strategy's usual groups; N>1: parameters round-robin into N lr groups, "
+        "each split by p.dim() >= 2 into weight decay 0.1 / 0 (see the module docstring)",
+    )
     parser.add_argument(
         "--strategies", default=",".join(STRATEGIES), help="comma-separated subset to run"
     )
@@ -320,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trace", help="with --profile: write rank 0's chrome trace here")
     args = parser.parse_args(argv)
+    if args.param_groups < 1:
+        parser.error(f"--param-groups must be >= 1, got {args.param_groups}")
     if args.quick:
         args.model, args.batch, args.seq, args.steps, args.warmup = "tiny", 4, 64, 10, 3
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
@@ -330,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"model={args.model} batch={args.batch}/rank seq={args.seq} world_size={WORLD_SIZE} "
         f"backend=gloo device=cpu dtype=fp32 torch.set_num_threads({args.threads}) per rank, "
-        f"steps={args.steps} warmup={args.warmup} rounds={args.rounds}; "
-        f"{m.platform_line()}"
+        f"steps={args.steps} warmup={args.warmup} rounds={args.rounds} "
+        f"param_groups={args.param_groups}; "
+        f"{m.platform_line()}; lightning_yafsdp from {_package_dir()}"
     )
     print(header, flush=True)
 
@@ -348,8 +438,12 @@ def main(argv: list[str] | None = None) -> int:
             results = _run_job(strategy, args)
             jobs[strategy].append(results)
             med = m.median_step(results)
+            opt = m.median_step(results, "optimizer_step_times_s")
+            opt_cpu = m.median_step(results, "optimizer_step_cpu_times_s")
             print(
-                f"  round {rnd + 1}/{args.rounds} {strategy:10s} median step {med:.3f} s "
+                f"  round {rnd + 1}/{args.rounds} {strategy:10s} median step {med:.3f} s, "
+                f"optimizer step {1000 * opt:.1f} ms (CPU time {1000 * opt_cpu:.1f} ms), "
+                f"{results[0]['n_param_groups']} groups "
                 f"(job {time.perf_counter() - t0:.0f} s)",
                 file=sys.stderr,
                 flush=True,
@@ -369,7 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table)
     print(
-        "\nstep = slower rank, median over all measured steps of all rounds; tokens/s = "
+        "\nstep = slower rank, median over all measured steps of all rounds (optimizer step: "
+        "optimizer.step() alone, same rule; its CPU time, less sensitive to other load on "
+        "the machine, is in the JSON and on stderr); tokens/s = "
         f"{tokens_per_step} tokens per step (both ranks) / median step. Peak RSS = "
         "ru_maxrss/VmHWM of each rank process (rank 0 / rank 1, max over jobs). Timing runs "
         "use the default glibc malloc, whose heap keeps freed memory, so their RSS grows "

@@ -6,17 +6,32 @@ usable (and fast to import) without Lightning, and importing ``core`` runs this
 package's ``__init__``. So registration happens when ``lightning.pytorch`` is
 (or already was) imported: right away if it is loaded, otherwise from a one-shot
 post-import hook on ``lightning.pytorch``.
+
+At the same moment, ``LightningModule.load_from_checkpoint`` learns to read our
+sharded checkpoint directories (``_read_sharded_directories_in_load_from_checkpoint``):
+Lightning reads a checkpoint there with one ``torch.load`` of one file, so a
+directory (our default format) would fail with a raw ``IsADirectoryError``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
+import os
 import sys
+import warnings
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 _LIGHTNING = "lightning.pytorch"
+# ``lightning.pytorch.core.saving._load_from_checkpoint`` (behind every
+# ``load_from_checkpoint``) reads the file through this module-level name, an alias of
+# ``lightning.fabric.utilities.cloud_io._load``. tests/test_load_from_checkpoint.py fails
+# with a clear message if a Lightning release renames or stops using it.
+LOADER_MODULE = "lightning.pytorch.core.saving"
+LOADER_NAME = "pl_load"
 
 
 def register_when_lightning_loads() -> None:
@@ -28,11 +43,79 @@ def register_when_lightning_loads() -> None:
 
 
 def _register() -> None:
+    _read_sharded_directories_in_load_from_checkpoint()
     # strategy.py registers itself when it finishes loading. If it is loading right now
     # (``from lightning_yafsdp import YaFSDPStrategy`` is what imported Lightning), it is
     # already in sys.modules, half-initialized: importing it here would be circular.
     if "lightning_yafsdp.strategy" not in sys.modules:
         import lightning_yafsdp.strategy  # noqa: F401
+
+
+def _read_sharded_directories_in_load_from_checkpoint() -> None:
+    """Wrap Lightning's checkpoint reader so a sharded directory is consolidated in memory.
+
+    Every other path (files, URLs, file objects, directories that are not our checkpoints)
+    goes to Lightning's reader unchanged. Idempotent.
+    """
+    saving = importlib.import_module(LOADER_MODULE)
+    reader = getattr(saving, LOADER_NAME, None)
+    if reader is None:
+        warnings.warn(
+            f"lightning_yafsdp: {LOADER_MODULE}.{LOADER_NAME} does not exist in this Lightning "
+            "release, so LightningModule.load_from_checkpoint cannot read sharded yafsdp "
+            'checkpoint directories; save with YaFSDPStrategy(state_dict_type="full"), or '
+            "build the module and load_state_dict(lightning_yafsdp.checkpoint."
+            "consolidated_state_dict(path))",
+            stacklevel=2,
+        )
+        return
+    if getattr(reader, "_yafsdp_reads_sharded_directories", False):
+        return
+    setattr(saving, LOADER_NAME, _reading_sharded_directories(reader))
+
+
+def _reading_sharded_directories(reader: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(reader)
+    def read_checkpoint(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
+            from lightning_yafsdp.checkpoint.sharded import is_sharded_checkpoint
+
+            if is_sharded_checkpoint(path_or_url):
+                return _lightning_checkpoint_from_directory(path_or_url, *args, **kwargs)
+        return reader(path_or_url, *args, **kwargs)
+
+    read_checkpoint._yafsdp_reads_sharded_directories = True  # type: ignore[attr-defined]
+    return read_checkpoint
+
+
+def _lightning_checkpoint_from_directory(
+    path: str | os.PathLike, map_location: Any = None, weights_only: bool | None = None
+) -> dict[str, Any]:
+    """The dict ``torch.load`` gives for a single-file Lightning checkpoint, weights only.
+
+    ``load_from_checkpoint`` needs the weights and ``meta.pt`` (hyperparameters, the
+    Lightning version); optimizer states are not read. Weights come as CPU tensors and
+    move to ``map_location`` when it is a device (Lightning's default keeps CPU tensors on
+    the CPU; a callable or a dict other than ``{"cpu": device}`` leaves them there).
+    """
+    import torch
+
+    from lightning_yafsdp.checkpoint.consolidate import consolidate_checkpoint
+    from lightning_yafsdp.checkpoint.sharded import META_FILENAME, MODEL_KEY
+
+    state_dict = consolidate_checkpoint(path, weights_only=True).get(MODEL_KEY, {})
+    meta_path = os.path.join(path, META_FILENAME)
+    checkpoint = (
+        torch.load(meta_path, map_location="cpu", weights_only=weights_only)
+        if os.path.isfile(meta_path)
+        else {}
+    )
+    if isinstance(map_location, dict):
+        map_location = map_location.get("cpu")
+    if isinstance(map_location, (str, torch.device)):
+        state_dict = {name: value.to(map_location) for name, value in state_dict.items()}
+    checkpoint["state_dict"] = state_dict
+    return checkpoint
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):

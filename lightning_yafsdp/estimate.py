@@ -19,6 +19,7 @@ Communication per micro-batch (bytes of the gathered/unreduced tensor, as
 ``engine.comm_stats`` counts them; a ring moves (W-1)/W of that per rank):
   all_gather      = units forward + (ZeRO-3) units but the last two in backward
   reduce_scatter  = every group, once per backward
+  all_reduce      = one byte per parameter, once per backward (which got a grad anywhere)
   + once per optimizer step: resident groups' all_gather.
 """
 
@@ -49,6 +50,7 @@ class GroupSize:
     numel: int
     padded_numel: int
     shard_numel: int
+    num_params: int = 0
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Estimate:
     all_gather_per_micro_batch: int = 0
     all_gather_per_step: int = 0
     reduce_scatter_per_micro_batch: int = 0
+    all_reduce_per_micro_batch: int = 0
     micro_batches: int = 1
     notes: list[str] = field(default_factory=list)
 
@@ -114,12 +117,15 @@ class Estimate:
 
     @property
     def comm_per_step(self) -> dict[str, int]:
-        """Collective bytes per optimizer step, by kind."""
-        return {
+        """Collective bytes per optimizer step, by kind (a kind never issued is absent)."""
+        comm = {
             "all_gather": self.micro_batches * self.all_gather_per_micro_batch
             + self.all_gather_per_step,
             "reduce_scatter": self.micro_batches * self.reduce_scatter_per_micro_batch,
         }
+        if self.all_reduce_per_micro_batch:
+            comm["all_reduce"] = self.micro_batches * self.all_reduce_per_micro_batch
+        return comm
 
 
 def group_sizes(
@@ -132,7 +138,9 @@ def group_sizes(
     plan = plan_layouts(model, world_size=world_size, units=units, norm_classes=norm_classes)
 
     def size(name, layout) -> GroupSize:
-        return GroupSize(name, layout.numel, layout.padded_numel, layout.shard_numel)
+        return GroupSize(
+            name, layout.numel, layout.padded_numel, layout.shard_numel, len(layout.spans)
+        )
 
     residents = [
         size(name, layout)
@@ -193,6 +201,8 @@ def estimate(
     est.all_gather_per_micro_batch = sum(g.padded_numel for g in (*units, *regathered)) * p
     est.all_gather_per_step = sum(g.padded_numel for g in residents) * p
     est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r
+    if world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
+        est.all_reduce_per_micro_batch = sum(g.num_params for g in (*units, *residents))
 
     _activation_bytes(est, config, model)
     est.checkpointed_units = checkpointed_units(est, config)

@@ -13,22 +13,36 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from lightning_yafsdp.core.sharded_param import ShardedTensor
+
 if TYPE_CHECKING:
     from lightning_yafsdp.core import YaFSDPEngine
 
 
-def selection_message(found: str) -> str:
-    # Until per-parameter sharded views land, an optimizer sees two master shards.
-    return (
-        f"{found}: after sharding, the LightningModule's parameters are the engine's two "
-        "fused master shards (_yafsdp_flat_shard, _yafsdp_norm_shard), so selecting "
-        "parameters by submodule, name, p.dim() or requires_grad in configure_optimizers "
-        "finds none of them, and training would silently differ from DDP. Build the "
-        "optimizer over self.parameters(), or over "
-        "self.trainer.strategy.engine.param_groups(weight_decay=...) (blocks, embeddings and "
-        "head with decay, norms without); per-module or per-name groups and several "
-        "optimizers over parts of the model are not supported yet."
-    )
+def check_optimizers_hold_model_params(module: nn.Module, optimizers) -> None:
+    """Refuse an optimizer holding parameters the sharded model no longer has.
+
+    Sharding replaces every trainable parameter by a sharded one under the same
+    name. Parameter objects taken before that (a list kept from ``__init__``) are
+    no longer part of the model: stepping them would train nothing, silently.
+    """
+    current = {id(p) for p in module.parameters()}
+    for index, optimizer in enumerate(optimizers):
+        stale = [
+            tuple(p.shape)
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) not in current
+        ]
+        if stale:
+            raise ValueError(
+                f"optimizer {index} holds {len(stale)} tensors (shapes {stale[:3]}) that are not "
+                "parameters of the sharded model: they were taken before sharding (e.g. a "
+                "list of parameters kept from __init__), and sharding replaced every "
+                "parameter by a sharded one under the same name, so stepping them would "
+                "train nothing. Select parameters inside configure_optimizers() "
+                "(self.parameters(), self.named_parameters(), a submodule's parameters())."
+            )
 
 
 def has_meta_parameters(module: nn.Module) -> bool:
@@ -82,8 +96,12 @@ def check_no_meta_metric_states(module: nn.Module) -> None:
 
 
 def check_still_sharded(module: nn.Module, engine: YaFSDPEngine) -> None:
-    masters = {id(p) for p in engine.master_parameters()}
-    added = [name for name, p in module.named_parameters() if id(p) not in masters]
+    sharded = {id(p) for p in engine.sharded_parameters()}
+    added = [
+        name
+        for name, p in module.named_parameters()
+        if id(p) not in sharded and not isinstance(p, ShardedTensor) and p.requires_grad
+    ]
     if added:
         raise RuntimeError(
             f"configure_model() added parameters {added[:3]} to a model that is already "

@@ -17,8 +17,10 @@ bf16-true      bf16            bf16 (the same   default dtype bf16, floating bat
 
 Gradients always reach the master shards in ``reduce_dtype`` (fp32 by default) and are
 divided by the world size as they are added, once per backward; the engine refreshes
-the compute shards after every optimizer step. Clipping goes through the engine, which
-computes the global norm over all shards with one all_reduce.
+the compute shards after every optimizer step. Clipping goes through the engine and
+touches only the parameters of the optimizer being clipped (with two optimizers each
+clips its own, as under DDP); their norm is global, over every rank's shards, with one
+all_reduce.
 
 ``16-mixed`` needs a loss scaler whose inf/nan check spans every rank's shards; it is
 not implemented and is rejected rather than silently run without scaling.
@@ -157,12 +159,13 @@ class YaFSDPPrecision(Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        # The global norm over every rank's shards (one all_reduce), not the local one.
-        self.engine.clip_grad_norm_(float(clip_val))
+        # The global norm over every rank's shards (one all_reduce), not the local one,
+        # of this optimizer's parameters only, as DDP's clip_grad_norm_(main_params).
+        self.engine.clip_grad_norm_(float(clip_val), params=self.main_params(optimizer))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        self.engine.clip_grad_value_(float(clip_val))
+        self.engine.clip_grad_value_(float(clip_val), params=self.main_params(optimizer))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.precision!r})"

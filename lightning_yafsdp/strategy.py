@@ -18,7 +18,7 @@ Trainer calls the hooks below:
    LightningModule is sharded in place (meta modules are materialized, initialized and
    sharded one unit at a time) and the rest of it (metrics, buffers) moved to the
    root device, as DDP moves the model; then the optimizers are built, so
-   ``self.parameters()`` in ``configure_optimizers`` yields the master shards.
+   ``configure_optimizers`` sees the original parameters, sharded, under their names.
 6. Training: the engine's hooks gather and reduce; the precision plugin clips through
    the engine; Lightning's own accumulation and ``zero_grad`` need nothing extra.
 7. Checkpoints: ``trainer.save_checkpoint``, ``ModelCheckpoint`` and ``fit(ckpt_path=...)``
@@ -46,6 +46,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.callbacks import WeightAveraging
 from lightning.pytorch.plugins.precision import (
     DoublePrecision,
     HalfPrecision,
@@ -60,6 +61,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
 from lightning_yafsdp.checkpoint import (
@@ -67,7 +69,6 @@ from lightning_yafsdp.checkpoint import (
     full_optimizer_state_dict,
     load_lightning_checkpoint,
     save_lightning_checkpoint,
-    sharded_model_state_dict,
     sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
@@ -75,15 +76,14 @@ from lightning_yafsdp.core.materialize import Materializer
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
+    check_optimizers_hold_model_params,
     check_single_device,
     check_still_sharded,
     check_sync_batchnorm_device,
     has_meta_parameters,
-    selection_message,
 )
 from lightning_yafsdp.precision import YaFSDPPrecision
 from lightning_yafsdp.pretrained import lazy_from_pretrained
-from lightning_yafsdp.summary import use_sharded_summaries
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -147,7 +147,8 @@ class YaFSDPStrategy(ParallelStrategy):
             ``"sharded"`` (default): a directory at the checkpoint path (a
             ``torch.distributed.checkpoint`` layout under the original parameter names
             plus ``meta.pt``) to which every rank writes its own elements; loadable at
-            any world size and by Lightning's ``consolidate_checkpoint`` utility.
+            any world size, by Lightning's ``consolidate_checkpoint`` utility and by
+            ``LightningModule.load_from_checkpoint`` (consolidated in memory).
             ``"full"``: one ``torch.save`` file written by rank 0, gathered one unit at
             a time, that ``LightningModule.load_from_checkpoint`` reads directly. Both
             kinds, and single-file checkpoints of other strategies (DDP), load with
@@ -232,6 +233,28 @@ class YaFSDPStrategy(ParallelStrategy):
         if self._engine is None:
             raise RuntimeError("the model is not sharded yet: the engine exists after setup()")
         return self._engine
+
+    @contextmanager
+    def summon_full_params(self, *, writeback: bool = False) -> Generator[None, None, None]:
+        """The full weights in the LightningModule for the duration of the block.
+
+        Inside it, ``state_dict()``, ``named_parameters()`` and ``module.weight`` are the
+        whole, unsharded master-dtype parameters (plain ``nn.Parameter``s), for export or
+        inspection outside forward, e.g. a peft adapter::
+
+            with trainer.strategy.summon_full_params():
+                model.save_pretrained(path, is_main_process=trainer.is_global_zero)
+
+        Collective: every rank must enter it, and every rank holds the whole model while
+        inside. On exit the sharded parameters come back (the same objects, so the
+        optimizers stay valid).
+
+        Args:
+            writeback: copy changes made to the full parameters back into this rank's
+                shards on exit. Default False (changes are dropped).
+        """
+        with self.engine.summon_full_params(writeback=writeback):
+            yield
 
     @property
     def is_distributed(self) -> bool:
@@ -351,7 +374,8 @@ class YaFSDPStrategy(ParallelStrategy):
         self._engine = self._shard(self.lightning_module)
         self.model_to_device()
         self.precision_plugin.connect_engine(self._engine)
-        use_sharded_summaries(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _rebuild_weight_averages(trainer, self.lightning_module, self.root_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -409,21 +433,8 @@ class YaFSDPStrategy(ParallelStrategy):
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # fit -> validate -> fit again: optimizers from an earlier stage hold stale state.
         self._reset_optimizers_and_schedulers()
-        try:
-            super().setup_optimizers(trainer)
-        except ValueError as error:
-            if "empty parameter list" not in str(error):
-                raise
-            message = selection_message("an optimizer got an empty parameter list")
-            raise ValueError(message) from error
-        for index, optimizer in enumerate(self.optimizers):
-            for group_index, group in enumerate(optimizer.param_groups):
-                if not group["params"]:
-                    raise ValueError(
-                        selection_message(
-                            f"param group {group_index} of optimizer {index} is empty"
-                        )
-                    )
+        super().setup_optimizers(trainer)
+        check_optimizers_hold_model_params(self.lightning_module, self.optimizers)
 
     @override
     def model_to_device(self) -> None:
@@ -486,9 +497,11 @@ class YaFSDPStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Collective: Lightning calls it on every rank. "full" leaves {} on ranks != 0.
+        # Sharded: the LightningModule's own state_dict() (an override is honoured), whose
+        # trainable values are ShardedTensors, written as this rank's ranges.
         if self._state_dict_type == "full":
             return full_model_state_dict(self.engine)
-        return sharded_model_state_dict(self.engine)
+        return self.lightning_module.state_dict()
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -602,6 +615,31 @@ def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
         return spec
     classes = tuple(spec) if is_class_list else (spec,)
     return lambda index, name: isinstance(module.get_submodule(name), classes)
+
+
+def _rebuild_weight_averages(
+    trainer: pl.Trainer, module: pl.LightningModule, device: torch.device
+) -> None:
+    # [Note: WeightAveraging after sharding] Lightning's WeightAveraging (EMA, SWA-like)
+    # builds its AveragedModel in its own setup(), which runs before the strategy's: a
+    # deep copy of the unsharded model, whose full tensors cannot be averaged with the
+    # sharded parameters. Rebuilt here from the sharded module, the copy holds this rank's
+    # pieces only (ShardedTensor.__deepcopy__), so the average costs a shard, not a model,
+    # and its updates and swaps are elementwise. Uses the callback's private attributes
+    # of Lightning 2.6 (pinned; tests/test_param_views_callbacks.py checks they exist).
+    for callback in trainer.callbacks:
+        if not isinstance(callback, WeightAveraging) or callback._average_model is None:
+            continue
+        wanted = torch.device(callback._device) if callback._device is not None else device
+        if wanted.type != device.type:
+            raise ValueError(
+                f"WeightAveraging(device={callback._device!r}) keeps the averaged model on "
+                f"{wanted}, but YaFSDPStrategy trains on {device}: the average of a sharded "
+                "model is sharded like it and stays on the training device. Pass device=None."
+            )
+        callback._average_model = AveragedModel(
+            module, device=device, use_buffers=callback._use_buffers, **callback._kwargs
+        )
 
 
 def _materialize_meta_buffers(module: nn.Module, device: torch.device) -> None:

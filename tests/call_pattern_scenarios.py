@@ -348,7 +348,7 @@ def run_sharded(name: str) -> dict:
         zero_stage=pattern.zero_stage,
         activation_checkpointing="all" if pattern.checkpoint == "engine" else None,
     )
-    optimizer = torch.optim.SGD(engine.master_parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(engine.sharded_parameters(), lr=0.1)
     recorder = _LastStepRecorder(engine, last_step=pattern.steps - 1)
     losses = train(
         model,
@@ -408,7 +408,7 @@ def refusals() -> dict[str, str]:
     }.items():
         model = build(pattern)
         engine = shard_model(model, units=[f"layers.{i}" for i in range(N_UNITS)])
-        optimizer = torch.optim.SGD(engine.master_parameters(), lr=0.1)
+        optimizer = torch.optim.SGD(engine.sharded_parameters(), lr=0.1)
         started = time.monotonic()
         try:
             train(model, optimizer, pattern, ranks=[dist.get_rank()], world_size=2)
@@ -425,7 +425,7 @@ def guard_cost(steps: int = 30) -> dict[str, float]:
     pattern = Pattern()
     model = build(pattern)
     engine = shard_model(model, units=[f"layers.{i}" for i in range(N_UNITS)])
-    optimizer = torch.optim.SGD(engine.master_parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(engine.sharded_parameters(), lr=0.1)
     x, y = batches(pattern)[0]
     rank = dist.get_rank()
     part = slice(rank * 4, rank * 4 + 4)

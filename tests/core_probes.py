@@ -40,7 +40,7 @@ def record_schedule(activation_checkpointing=None, zero_stage: int = 3) -> dict:
     engine = shard_model(
         model, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing
     )
-    optimizer = torch.optim.AdamW(engine.master_parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
     train_step(model, optimizer)
     with engine.recording() as log:
         train_step(model, optimizer, seed=1)
@@ -77,7 +77,7 @@ class _LargeAllocations(TorchDispatchMode):
 def traffic_memory_and_allocations(zero_stage: int = 3) -> dict:
     model = tiny_llama()
     engine = shard_model(model, zero_stage=zero_stage)
-    optimizer = torch.optim.AdamW(engine.master_parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
     train_step(model, optimizer)
     engine.comm_stats.reset()
     train_step(model, optimizer, seed=1)
@@ -98,8 +98,9 @@ def traffic_memory_and_allocations(zero_stage: int = 3) -> dict:
         ],
         "smallest_unit": smallest_unit,
         "large_allocations": probe.found,
-        "master_shapes": [tuple(p.shape) for p in engine.master_parameters()],
+        "master_shapes": [tuple(m.shape) for m in (engine.flat_shard, engine.norm_shard)],
         "param_names": [n for n, _ in model.named_parameters()],
+        "unsharded_param_names": [n for n, _ in tiny_llama().named_parameters()],
     }
 
 
@@ -110,17 +111,18 @@ def summon_and_shards() -> dict:
     engine = shard_model(model)
     with engine.summon_full_params():
         inside = model.layers[1].attention.wq.weight.clone()
-    with engine.summon_full_params(writeback=True):
+    with engine.summon_full_params(writeback=True), torch.no_grad():
         model.norm.weight.fill_(2.0)
     after = engine.full_state_dict()["norm.weight"]
-    placeholder_numel = model.layers[1].attention.wq.weight.numel()
+    outside = model.layers[1].attention.wq.weight
+    outside_forward = (type(outside).__name__, tuple(outside.shape), outside._local.numel())
     tokens, _ = batch()
     logits = model(tokens)  # the written-back weights are used by the next forward
     shards = {s.name: (s.start, s.end, s.tensor.numel()) for s in engine.named_parameter_shards()}
     return {
         "inside_equal": torch.equal(inside, reference["layers.1.attention.wq.weight"]),
         "after_writeback": after.clone(),
-        "placeholder_numel": placeholder_numel,
+        "outside_forward": outside_forward,
         "logits_finite": bool(torch.isfinite(logits).all()),
         "shards": shards,
         "shapes": {k: tuple(v.shape) for k, v in reference.items()},
@@ -209,7 +211,7 @@ def hf_gradient_checkpointing() -> dict:
             logits = model(tokens).logits
             F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()).backward()
         results[checkpointing] = {
-            "grads": [p.grad.clone() for p in engine.master_parameters()],
+            "grads": [p.grad._local.clone() for p in engine.sharded_parameters()],
             "log": list(log),
             "slots": {u.name: (u.weight_buffer.index, u.grad_buffer.index) for u in engine.units},
         }

@@ -171,16 +171,12 @@ def train(model, optimizer, scenario, batches, *, clip, ranks, world_size) -> li
 def average_over_simulated_ranks(model: nn.Module, world_size: int) -> None:
     """Reference side: grads summed over the ranks' slices, divided once, as the engine does.
 
-    A parameter no slice used gets a zero grad, not None: in a flat sharded
-    group every element has a gradient (as in FSDP's flat parameters), so
-    decoupled weight decay and momentum apply to unused parameters too.
+    A parameter no slice used keeps ``grad is None``, as under DDP: the optimizer
+    skips it (no decoupled weight decay, no momentum), and so does the engine's.
     """
     for param in model.parameters():
-        if not param.requires_grad:
-            continue
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        param.grad.div_(world_size)
+        if param.requires_grad and param.grad is not None:
+            param.grad.div_(world_size)
 
 
 def run_reference(name: str, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -214,7 +210,7 @@ def run_sharded(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         else None,
         param_dtype=scenario.param_dtype,
     )
-    optimizer = make_optimizer(scenario, engine.master_parameters())
+    optimizer = make_optimizer(scenario, engine.sharded_parameters())
     losses = train(
         model,
         optimizer,

@@ -14,6 +14,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_yafsdp.core.sharded_param import ShardedTensor
 from lightning_yafsdp.models.llama import Llama, LlamaConfig, hf_llama_config
 
 SEQ_LEN = 16
@@ -99,7 +100,12 @@ class CausalLMModule(pl.LightningModule):
         Also records the most full-size parameter elements alive at any call, so a test
         can check that no rank ever held the whole model.
         """
-        live = sum(p.numel() for p in self.model.parameters() if not p.is_meta)
+        # Full-size (unsharded) parameters only: sharded ones hold this rank's piece.
+        live = sum(
+            p.numel()
+            for p in self.model.parameters()
+            if not p.is_meta and not isinstance(p, ShardedTensor)
+        )
         self.max_live_numel = max(self.max_live_numel, live)
         self.model.init_submodule(module)
 

@@ -266,7 +266,7 @@ def _load_errors(root: str) -> dict:
     model, engine, optimizer = sc.build_sharded(seed=1)
     before = sc.full_weights(engine)
     try:
-        second = torch.optim.SGD(engine.master_parameters(), lr=0.1)
+        second = torch.optim.SGD(engine.sharded_parameters(), lr=0.1)
         load_checkpoint(f"{root}/ok", engine, optimizers=[optimizer, second])
     except CheckpointMismatchError as exc:
         errors["two optimizers"] = (type(exc).__name__, str(exc))

@@ -27,7 +27,7 @@ def _train_on_cuda(steps: int) -> dict:
         model = Llama(LlamaConfig.from_name("tiny")).cuda()
         engine = shard_model(model, process_group=nccl, param_dtype=dtype)
         assert engine.scheduler.comm_stream is not None
-        optimizer = torch.optim.AdamW(engine.master_parameters(), lr=3e-3)
+        optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=3e-3)
         generator = torch.Generator().manual_seed(5)
         losses = []
         for _ in range(steps):

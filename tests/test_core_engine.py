@@ -122,7 +122,11 @@ def test_collectives_per_step_match_the_design(zero_stage: int) -> None:
     assert calls["all_gather"] == units + backward_gathers + residents
     # One reduce_scatter per unit, one per resident group (norms, root) at the end.
     assert calls["reduce_scatter"] == units + residents
-    assert set(calls) == {"all_gather", "reduce_scatter"}
+    # One tiny all_reduce per backward: which parameters got a grad on any rank
+    # ([Note: per-parameter grads]), one byte per parameter.
+    assert calls["all_reduce"] == 1
+    assert result["traffic"]["bytes"]["all_reduce"] == len(result["param_names"])
+    assert set(calls) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
 def test_buffer_bytes_equal_the_formula() -> None:
@@ -161,9 +165,9 @@ def test_gradients_are_freed_by_zero_grad() -> None:
     assert result["memory"]["grad_shards"] == 0  # the probe ends with zero_grad()
 
 
-def test_module_parameters_are_only_the_master_shards() -> None:
+def test_module_keeps_its_parameter_names() -> None:
     result = probe("traffic_memory_and_allocations")
-    assert result["param_names"] == ["_yafsdp_flat_shard", "_yafsdp_norm_shard"]
+    assert result["param_names"] == result["unsharded_param_names"]
 
 
 # -- full weights, shards by original name ---------------------------------------------------
@@ -173,9 +177,12 @@ def test_summon_full_params_and_named_shards() -> None:
     result = probe("summon_and_shards")
     assert result["inside_equal"]
     assert torch.equal(result["after_writeback"], torch.full_like(result["after_writeback"], 2.0))
-    assert result["placeholder_numel"] == 0, "outside forward parameters are not materialized"
-    assert result["logits_finite"]
+    # Outside forward the attribute is the sharded parameter: full shape, this rank's piece.
+    kind, shape, local_numel = result["outside_forward"]
     shards, shapes = result["shards"], result["shapes"]
+    assert (kind, shape) == ("ShardedTensor", (64, 64))
+    assert local_numel == shards.get("layers.1.attention.wq.weight", (0, 0, 0))[2]
+    assert result["logits_finite"]
     # Rank 0 owns the first half of each unit's flat tensor: a prefix of its first params.
     first = shards["layers.0.attention.wq.weight"]
     assert first[0] == 0 and first[1] - first[0] == first[2]

@@ -69,7 +69,7 @@ def _train_sharded_bf16() -> dict:
     # Registered after sharding so it runs after the engine's own pre-hook (which would
     # cast the input to bf16 with cast_forward_inputs=True): it sees what the block gets.
     seen = _record_block_input_dtypes(model)
-    optimizer = torch.optim.AdamW(engine.master_parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
     tokens = _tokens(model.config)
     losses = []
     for _ in range(2):

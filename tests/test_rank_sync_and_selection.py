@@ -4,9 +4,9 @@
   ``seed_everything``): DDP starts every rank from rank 0's weights and buffers, and so
   does ``strategy="yafsdp"`` (``sync_module_states=None`` resolves to a broadcast for
   such models). Without it each rank would keep its own slice: a silent mix of ranks.
-- Selecting parameters by name, ``p.dim()`` or submodule in ``configure_optimizers`` is
-  refused before the first step (the optimizer sees two fused master shards until
-  per-parameter views land), instead of silently training something else than DDP.
+- Selecting parameters by name or submodule in ``configure_optimizers`` trains exactly as
+  under DDP (the model keeps its parameters, sharded, under their names); an optimizer
+  over parameter objects kept from before sharding is refused before the first step.
 - An auto-detected block frozen before fit stays out of the units (replicated, like
   every frozen tensor) and the rest trains exactly as under DDP.
 """
@@ -61,6 +61,7 @@ class _Regression(pl.LightningModule):
         if freeze_first:
             self.net.blocks[0].requires_grad_(False)
         self.optimizers_kind = optimizers
+        self.kept_from_init = list(self.parameters())
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
@@ -81,6 +82,8 @@ class _Regression(pl.LightningModule):
             )
         if self.optimizers_kind == "by_submodule":
             return torch.optim.SGD(self.net.blocks.parameters(), lr=0.1)
+        if self.optimizers_kind == "kept_from_init":  # objects sharding has replaced
+            return torch.optim.SGD(self.kept_from_init, lr=0.1)
         return torch.optim.AdamW(
             [p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
         )
@@ -126,7 +129,8 @@ def _runs() -> dict:
     ):
         runs[name] = {strategy: _fit(strategy, **options) for strategy in ("ddp", "yafsdp")}
     for kind in ("by_name", "by_submodule"):
-        runs[kind] = _fit("yafsdp", optimizers=kind, seed=0)
+        runs[kind] = {s: _fit(s, optimizers=kind, seed=0) for s in ("ddp", "yafsdp")}
+    runs["kept_from_init"] = _fit("yafsdp", optimizers="kept_from_init", seed=0)
     return runs
 
 
@@ -160,16 +164,14 @@ def test_an_auto_detected_block_frozen_before_fit_trains_like_ddp(runs):
         assert torch.equal(ours["net.blocks.0.linear.weight"], ddp["net.blocks.0.linear.weight"])
 
 
-@pytest.mark.parametrize(
-    ("kind", "found"),
-    [
-        ("by_name", "param group 1 of optimizer 0 is empty"),
-        ("by_submodule", "an optimizer got an empty parameter list"),
-    ],
-)
-def test_parameter_selections_the_master_shards_cannot_serve_are_refused(runs, kind, found):
+@pytest.mark.parametrize("kind", ["by_name", "by_submodule"])
+def test_parameter_selections_by_name_and_submodule_train_like_ddp(runs, kind):
+    _assert_matches_ddp(runs, kind)
+
+
+def test_an_optimizer_over_parameters_kept_from_before_sharding_is_refused(runs):
     for facts in runs:
-        error = facts[kind]["error"]
-        assert error is not None and found in error, error
-        assert "engine.param_groups(" in error and "not supported yet" in error, error
-        assert facts[kind]["losses"] == [], "refused only after a step"
+        error = facts["kept_from_init"]["error"]
+        assert error is not None and "not parameters of the sharded model" in error, error
+        assert "inside configure_optimizers()" in error, error
+        assert facts["kept_from_init"]["losses"] == [], "refused before the first step"

@@ -11,7 +11,9 @@ Layout of a sharded checkpoint (``sharded.py``): a ``torch.distributed.checkpoin
 directory whose tensors have the ORIGINAL names and full shapes (each rank writes
 its element ranges as boxes, ``ranges.py``) plus ``meta.pt``, the layout Lightning's
 FSDP strategy writes, so ``python -m lightning.pytorch.utilities.consolidate_checkpoint``
-turns it into a single file. Saves are atomic (``atomic.py``).
+turns it into a single file. Optimizer state is per parameter, by name, with every
+param group's hyperparameters (``optimizer_state.py``); a full file uses torch's own
+optimizer layout (``torch_layout.py``), so DDP loads it. Saves are atomic (``atomic.py``).
 """
 
 from __future__ import annotations
@@ -41,15 +43,17 @@ from lightning_yafsdp.checkpoint.lightning_format import (
     load_lightning_checkpoint,
     save_lightning_checkpoint,
 )
+from lightning_yafsdp.checkpoint.optimizer_state import (
+    full_optimizer_state_dict,
+    load_full_optimizer_state_dict,
+    sharded_optimizer_state_dict,
+)
 from lightning_yafsdp.checkpoint.ranges import FlatRange
 from lightning_yafsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_yafsdp.checkpoint.state import (
     full_model_state_dict,
-    full_optimizer_state_dict,
     load_full_model_state_dict,
-    load_full_optimizer_state_dict,
     sharded_model_state_dict,
-    sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.core import YaFSDPEngine
 

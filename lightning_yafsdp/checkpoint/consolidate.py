@@ -33,6 +33,7 @@ from lightning_yafsdp.checkpoint.sharded import (
     describe_non_checkpoint,
     is_sharded_checkpoint,
 )
+from lightning_yafsdp.checkpoint.trees import lists_from_int_keys, set_nested
 
 ExportFormat = Literal["safetensors", "pt"]
 
@@ -69,8 +70,8 @@ def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = Fals
     checkpoint: dict[str, Any] = {}
     for fqn, value in targets.items():
         value = planner.loaded_objects.get(fqn, value)
-        _set_nested(checkpoint, tuple(paths.get(fqn, (fqn,))), value)
-    checkpoint = _lists_from_int_keys(checkpoint)
+        set_nested(checkpoint, tuple(paths.get(fqn, (fqn,))), value)
+    checkpoint = lists_from_int_keys(checkpoint)
     if not weights_only and (path / META_FILENAME).is_file():
         checkpoint.update(torch.load(path / META_FILENAME, map_location="cpu", weights_only=False))
     return checkpoint
@@ -251,23 +252,6 @@ def _step_of(meta: Mapping[str, Any]) -> int | None:
         if isinstance(meta.get(key), int):
             return meta[key]
     return None
-
-
-def _set_nested(root: dict, path: tuple, value: Any) -> None:
-    node = root
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
-    node[path[-1]] = value
-
-
-def _lists_from_int_keys(node: Any) -> Any:
-    # DCP's flattening records list positions as ints (param_groups[0] -> 0).
-    if not isinstance(node, dict):
-        return node
-    converted = {k: _lists_from_int_keys(v) for k, v in node.items()}
-    if converted and all(isinstance(k, int) for k in converted):
-        return [converted[i] for i in sorted(converted)]
-    return converted
 
 
 def _or_dash(value: Any) -> str:

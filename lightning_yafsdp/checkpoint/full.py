@@ -1,14 +1,19 @@
 """Full (single-file) checkpoints: written by rank 0, read by every rank.
 
 A full checkpoint is an ordinary ``torch.save`` file: ``{"state_dict": {name:
-full tensor}, "optimizer_states": [name-keyed optimizer state], ...extra}``,
-the layout of a Lightning checkpoint, so ``LightningModule.load_from_checkpoint``
-and ``model.load_state_dict(ckpt["state_dict"])`` accept it. Saving gathers
-one flat group at a time and only rank 0 keeps what it gathered.
+full tensor}, "optimizer_states": [torch's optimizer layout], ...extra}``, the
+layout of a Lightning DDP checkpoint, so ``LightningModule.load_from_checkpoint``,
+``model.load_state_dict(ckpt["state_dict"])`` and a DDP run's
+``optimizer.load_state_dict(ckpt["optimizer_states"][0])`` accept it. Each
+optimizer group also lists its parameters' names (``"param_names"``, torch's
+own key). Saving gathers sharded tensors in buckets and only rank 0 keeps them
+([Note: ragged gather of element ranges]); every sharded tensor anywhere in the
+dict (a callback's entries included) is written as a full tensor.
 
 Reading accepts more than we write: a Lightning/DDP checkpoint (index-keyed
-torch optimizer state), Lightning's consolidated FSDP file (``"model"`` and
-``optimizer_<i>`` keys) and a bare ``torch.save(model.state_dict())``.
+torch optimizer state, [Note: index-keyed optimizer state by position]),
+Lightning's consolidated FSDP file (``"model"`` and name-keyed ``optimizer_<i>``
+keys), our format-1 files (name-keyed) and a bare ``torch.save(model.state_dict())``.
 """
 
 from __future__ import annotations
@@ -22,14 +27,22 @@ import torch
 
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
+from lightning_yafsdp.checkpoint.gather import gather_full
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
-from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, describe_non_checkpoint, format_info
-from lightning_yafsdp.checkpoint.state import (
-    full_model_state_dict,
-    full_optimizer_state_dict,
-    load_full_model_state_dict,
-    load_full_optimizer_state_dict,
+from lightning_yafsdp.checkpoint.optimizer_state import (
+    load_optimizer_state,
+    local_optimizer_state,
+    named_param_groups,
+    sharded_optimizer_state_dict,
 )
+from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, describe_non_checkpoint, format_info
+from lightning_yafsdp.checkpoint.state import load_full_model_state_dict, module_state
+from lightning_yafsdp.checkpoint.torch_layout import (
+    is_index_keyed,
+    named_from_torch_layout,
+    to_torch_layout,
+)
+from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves
 from lightning_yafsdp.core import YaFSDPEngine
 
 STATE_DICT_KEY = "state_dict"
@@ -43,7 +56,7 @@ def save_full(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     extra: Mapping[str, Any] | None = None,
     prefix: str = "",
-    model_state: Mapping[str, torch.Tensor] | None = None,
+    model_state: Mapping[str, Any] | None = None,
     optimizer_states: Sequence[Mapping[str, Any]] | None = None,
 ) -> None:
     """Write one ``torch.save`` file with full weights and optimizer state (rank 0 writes).
@@ -51,26 +64,40 @@ def save_full(
     Collective (the gathers). Atomic: written to a hidden sibling, fsynced, renamed.
 
     Args:
-        model_state / optimizer_states: ready full state dicts (rank 0's matter;
-            other ranks may pass ``{}``); gathered from ``engine`` when None.
-        extra: saved alongside (``{**extra, "state_dict": ..., "optimizer_states": ...}``).
+        model_state: the model's state dict, sharded (``ShardedTensor`` / ``FlatRange``
+            values, gathered here) or already full on rank 0; ``engine.root.state_dict()``
+            when None.
+        optimizer_states: per optimizer, a name-keyed sharded state
+            (``sharded_optimizer_state_dict``, gathered and converted here) or torch's
+            layout, already full on rank 0 (``full_optimizer_state_dict``).
+        extra: saved alongside (``{**extra, "state_dict": ..., "optimizer_states": ...}``);
+            sharded tensors in it are gathered too.
 
     Raises:
         CheckpointSaveError: on every rank when rank 0 failed to write.
     """
     if model_state is None:
-        model_state = full_model_state_dict(engine, prefix=prefix)
+        model_state = module_state(engine, prefix=prefix)
     if optimizer_states is None:
         optimizer_states = [
-            full_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
+            sharded_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
         ]
-    info = format_info(engine, "full", len(optimizer_states), prefix=prefix)
     checkpoint = {
         **dict(extra or {}),
         STATE_DICT_KEY: dict(model_state),
         OPTIMIZER_STATES_KEY: list(optimizer_states),
-        FORMAT_KEY: info,
     }
+    sharded_optimizers = [has_sharded_leaves(state) for state in optimizer_states]
+    checkpoint = gather_full(checkpoint, group=engine.group)
+    if engine.rank == 0:
+        checkpoint = map_leaves(checkpoint, lambda _, v: _on_cpu(v))
+        checkpoint[OPTIMIZER_STATES_KEY] = [
+            to_torch_layout(state) if sharded else state
+            for state, sharded in zip(
+                checkpoint[OPTIMIZER_STATES_KEY], sharded_optimizers, strict=True
+            )
+        ]
+    checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states), prefix=prefix)
     atomic.atomic_file(path, lambda tmp: torch.save(checkpoint, tmp), group=engine.group)
 
 
@@ -112,13 +139,36 @@ def load_full(
             f"{len(optimizers)} were given; configure the same optimizers as when it was saved, "
             "or load the weights only (no optimizers)"
         )
-    load_full_model_state_dict(engine, model_state, prefix=prefix, strict=strict)
+    # Check and map every optimizer state first: a mismatch then leaves the model untouched.
+    version = rest.get(FORMAT_KEY, {}).get("format_version", 2)
     index = build_index(engine, prefix=prefix)
-    for optimizer, state in zip(optimizers, optimizer_states, strict=False):
-        if not _is_name_keyed(state):
-            state = name_keyed_from_unsharded(state, index, optimizer, list(model_state))
-        load_full_optimizer_state_dict(engine, optimizer, state, prefix=prefix)
+    prepared = [
+        local_optimizer_state(
+            index,
+            optimizer,
+            _name_keyed(index, optimizer, state),
+            format_version=2 if is_index_keyed(state) else version,
+        )
+        for optimizer, state in zip(optimizers, optimizer_states, strict=False)
+    ]
+    load_full_model_state_dict(engine, model_state, prefix=prefix, strict=strict)
+    for optimizer, (groups, states) in zip(optimizers, prepared, strict=False):
+        load_optimizer_state(index, optimizer, param_groups=groups, states=states)
     return rest
+
+
+def _name_keyed(
+    index: ShardIndex, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> Mapping[str, Any]:
+    """``state`` in the name-keyed form (torch's index-keyed layout mapped by position)."""
+    if not is_index_keyed(state):
+        return state
+    shapes = {**index.shapes, **{n: p.shape for n, p in index.replicated.items()}}
+    return named_from_torch_layout(state, named_param_groups(index, optimizer), shapes)
+
+
+def _on_cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def split_full_checkpoint(checkpoint: dict) -> tuple[dict, list, dict]:
@@ -141,62 +191,3 @@ def split_full_checkpoint(checkpoint: dict) -> tuple[dict, list, dict]:
         optimizer_states.append(rest.pop(f"optimizer_{index}"))
         index += 1
     return dict(model_state), optimizer_states, rest
-
-
-def name_keyed_from_unsharded(
-    state: Mapping[str, Any],
-    index: ShardIndex,
-    optimizer: torch.optim.Optimizer,
-    state_dict_names: Sequence[str],
-) -> dict[str, Any]:
-    """Convert an unsharded model's optimizer state (DDP, single process) to the name-keyed form.
-
-    torch numbers parameters in the order the optimizer was given them; we assume
-    that order is the model's registration order (``AdamW(model.parameters())``,
-    one param group), which is what the checkpoint's ``state_dict`` key order
-    gives. Every state tensor's shape is checked against its parameter.
-    Hyperparameters come from the saved group and apply to every current group.
-
-    Raises:
-        CheckpointMismatchError: several saved param groups, a count or shape mismatch.
-    """
-    groups = state["param_groups"]
-    if len(groups) != 1:
-        raise CheckpointMismatchError(
-            f"the checkpoint's optimizer state is index-keyed (an unsharded run's) with "
-            f"{len(groups)} param groups; only a single-group optimizer over model.parameters() "
-            "can be mapped to parameter names. Load the weights only (no optimizers)"
-        )
-    names = [n for n in dict.fromkeys(state_dict_names) if n in index.aliases]
-    ids = list(groups[0]["params"])
-    if len(ids) != len(names):
-        raise CheckpointMismatchError(
-            f"the checkpoint's optimizer holds {len(ids)} parameters, the model has "
-            f"{len(names)} trainable ones; load the weights only (no optimizers)"
-        )
-    named_state: dict[str, dict[str, Any]] = {}
-    for param_id, name in zip(ids, names, strict=True):
-        entry = dict(state["state"].get(param_id, {}))
-        for key, value in entry.items():
-            is_element = isinstance(value, torch.Tensor) and value.dim() > 0
-            if is_element and value.shape != index.shapes[name]:
-                raise CheckpointMismatchError(
-                    f"optimizer state {key!r} of parameter #{param_id} has shape "
-                    f"{tuple(value.shape)} but the parameter it maps to by order, {name!r}, has "
-                    f"{tuple(index.shapes[name])}; the optimizer was not built over "
-                    "model.parameters() in order. Load the weights only (no optimizers)"
-                )
-        named_state[name] = entry
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
-    from lightning_yafsdp.checkpoint.state import named_param_groups
-
-    current = named_param_groups(index, optimizer)
-    return {
-        "state": named_state,
-        "param_groups": [{**hyper, "params": group["params"]} for group in current],
-    }
-
-
-def _is_name_keyed(state: Mapping[str, Any]) -> bool:
-    params = [p for group in state.get("param_groups", []) for p in group["params"]]
-    return all(isinstance(p, str) for p in params)

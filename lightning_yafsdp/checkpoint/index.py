@@ -1,15 +1,16 @@
-"""Where each original parameter lives in a sharded engine, for checkpointing.
+"""Every parameter of a sharded engine by name, for checkpointing.
 
-The engine stores every trainable parameter as a run of elements inside one of
-(at most) two master parameters (``_yafsdp_flat_shard`` and
-``_yafsdp_norm_shard``). Per-element optimizer state (AdamW's ``exp_avg``,
-``exp_avg_sq``) has the master's shape, so the same runs index it too. This
-module turns the engine's layouts into that table, once per save or load.
+After ``shard_model`` each trainable parameter is a ``ShardedParameter`` in its
+own module (``engine.sharded_parameters()``, one object per tied set): its
+``_placement`` says its names, full shape and which elements ``[start, end)``
+this rank holds, and ``_local`` is that piece, a view into the engine's flat
+master. Frozen parameters stay plain, full and replicated. Optimizers hold
+these objects, so this table is what turns optimizer positions into names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,17 +19,16 @@ from lightning_yafsdp.core import YaFSDPEngine
 
 
 @dataclass(frozen=True)
-class OwnedRun:
-    """The elements of one original parameter that this rank holds.
+class IndexedParam:
+    """One trainable parameter and this rank's piece of it.
 
     Attributes:
-        name: the parameter's original name (first alias when tied).
+        name: the parameter's original name (first alias when tied), with the prefix.
         aliases: every name it is reachable under (``name`` first).
         shape: the full parameter's shape.
-        start: first held element of the flattened parameter.
-        end: one past the last held element.
-        master: index of the master parameter holding it (in ``master_parameters()``).
-        master_offset: where the run starts inside that master shard (elements).
+        start: first element of the flattened parameter held here.
+        end: one past the last (``start == end``: this rank holds none).
+        param: the ``ShardedParameter`` itself (what optimizers hold).
     """
 
     name: str
@@ -36,97 +36,86 @@ class OwnedRun:
     shape: torch.Size
     start: int
     end: int
-    master: int
-    master_offset: int
+    param: nn.Parameter
 
     @property
     def numel(self) -> int:
         return self.end - self.start
 
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's elements: a 1-D view into the engine's master (writes go there)."""
+        return self.param._local.detach()
+
 
 @dataclass(frozen=True)
 class ShardIndex:
-    """Every original parameter of an engine and this rank's run of it.
+    """The parameters of an engine, by name and by object.
 
     Attributes:
-        masters: the engine's master parameters (what optimizers hold).
-        names_by_master: per master, the names (first aliases) of all the
-            parameters stored in it, in layout order, whether or not this rank
-            holds elements of them.
-        shapes: full shape of every parameter, by every alias.
-        aliases: first alias -> every alias.
-        runs: this rank's runs, in layout order (parameters it holds no elements of
-            are absent).
+        sharded: the trainable parameters in layout order (units, then resident groups).
+        replicated: frozen (plain, full) parameters by their first name.
         prefix: prepended to every name (the engine's root inside a larger module).
     """
 
-    masters: tuple[nn.Parameter, ...]
-    names_by_master: tuple[tuple[str, ...], ...]
-    shapes: dict[str, torch.Size]
-    aliases: dict[str, tuple[str, ...]]
-    runs: tuple[OwnedRun, ...]
+    sharded: tuple[IndexedParam, ...]
+    replicated: dict[str, nn.Parameter]
     prefix: str = ""
+    _names: dict[int, str] = field(default_factory=dict, repr=False)
+    _entries: dict[int, IndexedParam] = field(default_factory=dict, repr=False)
+    _by_alias: dict[str, IndexedParam] = field(default_factory=dict, repr=False)
 
-    def master_index(self, param: torch.Tensor) -> int | None:
-        for index, master in enumerate(self.masters):
-            if param is master:
-                return index
-        return None
+    @property
+    def shapes(self) -> dict[str, torch.Size]:
+        """Full shape of every trainable parameter, by every alias."""
+        return {alias: p.shape for p in self.sharded for alias in p.aliases}
+
+    @property
+    def parameter_count(self) -> int:
+        """Elements of the unique trainable parameters."""
+        return sum(p.shape.numel() for p in self.sharded)
+
+    def name_of(self, param: torch.Tensor) -> str | None:
+        """The first name of ``param`` (sharded or replicated), or None if it is not ours."""
+        return self._names.get(id(param))
+
+    def entry_of(self, param: torch.Tensor) -> IndexedParam | None:
+        """The sharded entry of ``param``; None for a replicated or unknown one."""
+        return self._entries.get(id(param))
+
+    def entry_named(self, name: str) -> IndexedParam | None:
+        """The sharded entry reachable under ``name`` (any alias); None if there is none."""
+        return self._by_alias.get(name)
 
 
 def build_index(engine: YaFSDPEngine, *, prefix: str = "") -> ShardIndex:
     """The parameter table of ``engine`` for this rank; ``prefix`` is added to every name."""
-    masters = tuple(engine.master_parameters())
-    names_by_master: list[list[str]] = [[] for _ in masters]
-    shapes: dict[str, torch.Size] = {}
-    aliases: dict[str, tuple[str, ...]] = {}
-    runs: list[OwnedRun] = []
-    for group in engine.groups():
-        master = _master_of(group.master_shard, masters, group.name)
-        base = group.grad_range[0]
-        for index, (span, owners) in enumerate(zip(group.layout.spans, group.owners, strict=True)):
-            names = tuple(prefix + owner.name for owner in owners)
-            names_by_master[master].append(names[0])
-            aliases[names[0]] = names
-            for name in names:
-                shapes[name] = span.shape
-            piece = group.layout.shard_slice(index, engine.rank)
-            if piece is None:
-                continue
-            runs.append(
-                OwnedRun(
-                    name=names[0],
-                    aliases=names,
-                    shape=span.shape,
-                    start=piece.param_start,
-                    end=piece.param_end,
-                    master=master,
-                    master_offset=base + piece.shard_offset,
-                )
+    sharded = []
+    names: dict[int, str] = {}
+    for param in engine.sharded_parameters():
+        placement = param._placement
+        aliases = tuple(prefix + alias for alias in placement.aliases)
+        sharded.append(
+            IndexedParam(
+                name=prefix + placement.name,
+                aliases=aliases,
+                shape=torch.Size(placement.shape),
+                start=placement.start,
+                end=placement.end,
+                param=param,
             )
+        )
+        names[id(param)] = prefix + placement.name
+    replicated = {}
+    for name, param in engine.root.named_parameters():
+        if id(param) not in names:
+            replicated[prefix + name] = param
+            names[id(param)] = prefix + name
     return ShardIndex(
-        masters=masters,
-        names_by_master=tuple(tuple(n) for n in names_by_master),
-        shapes=shapes,
-        aliases=aliases,
-        runs=tuple(runs),
+        sharded=tuple(sharded),
+        replicated=replicated,
         prefix=prefix,
+        _names=names,
+        _entries={id(entry.param): entry for entry in sharded},
+        _by_alias={alias: entry for entry in sharded for alias in entry.aliases},
     )
-
-
-def replicated_state(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, torch.Tensor]:
-    """Persistent buffers and frozen parameters: whole on every rank, by original name."""
-    master_ids = {id(p) for p in engine.master_parameters()}
-    return {
-        prefix + name: tensor.detach()
-        for name, tensor in engine.root.state_dict(keep_vars=True).items()
-        if id(tensor) not in master_ids
-    }
-
-
-def _master_of(shard: torch.Tensor, masters: tuple[nn.Parameter, ...], group: str) -> int:
-    pointer = shard.untyped_storage().data_ptr()
-    for index, master in enumerate(masters):
-        if master.untyped_storage().data_ptr() == pointer:
-            return index
-    raise RuntimeError(f"group {group!r}: its master shard is a view of no master parameter")

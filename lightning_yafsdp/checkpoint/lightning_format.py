@@ -1,11 +1,13 @@
 """The only Lightning-shaped part of checkpointing: a Lightning checkpoint dict in, out.
 
 Lightning's ``trainer.save_checkpoint`` builds one dict on every rank:
-``"state_dict"`` (from ``strategy.lightning_module_state_dict()``),
-``"optimizer_states"`` (from ``strategy.optimizer_state(opt)``) and the rest
-(loops, schedulers, callbacks, hyperparameters). The strategy returns our
-sharded (or full) state dicts from those two hooks and hands the dict here.
-Nothing here imports lightning.
+``"state_dict"`` (from ``strategy.lightning_module_state_dict()``: the module's
+own ``state_dict()``, ``ShardedTensor`` values), ``"optimizer_states"`` (from
+``strategy.optimizer_state(opt)``) and the rest (loops, schedulers, callbacks,
+hyperparameters; a ``WeightAveraging`` callback moves our weights to
+``"current_model_state"`` and puts its averaged ones in ``"state_dict"``). Every
+sharded tensor anywhere in that dict is written sharded (``"sharded"``) or
+gathered to a full tensor (``"full"``). Nothing here imports lightning.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from lightning_yafsdp.checkpoint.full import (
     save_full,
 )
 from lightning_yafsdp.checkpoint.sharded import load_sharded, save_sharded
+from lightning_yafsdp.checkpoint.state import module_state
 from lightning_yafsdp.core import YaFSDPEngine
 
 StateDictType = Literal["sharded", "full"]
@@ -38,10 +41,11 @@ def save_lightning_checkpoint(
 ) -> None:
     """Write Lightning's checkpoint dict: a DCP directory + ``meta.pt``, or one file.
 
-    Collective. ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]``
-    must come from ``sharded_model_state_dict`` / ``sharded_optimizer_state_dict``
-    (``"sharded"``) or their ``full_*`` twins (``"full"``; rank 0's are used).
-    The dict itself is not modified.
+    Collective. ``checkpoint["state_dict"]`` holds ``ShardedTensor``s / ``FlatRange``s
+    and plain tensors (or, for ``"full"``, rank 0's full tensors);
+    ``checkpoint["optimizer_states"]`` come from ``sharded_optimizer_state_dict``
+    (either type) or ``full_optimizer_state_dict`` (``"full"``). The dict itself
+    is not modified.
     """
     rest = dict(checkpoint)
     model_state = rest.pop(STATE_DICT_KEY)
@@ -69,9 +73,14 @@ def load_lightning_checkpoint(
 
     Collective. ``path`` may be one of our sharded directories, a full file
     (ours, a DDP/single-device Lightning checkpoint, a consolidated one) or a bare
-    state dict file.
+    state dict file. The returned dict's ``"state_dict"`` is the module's
+    ``state_dict()`` after loading (sharded views), for hooks and callbacks that
+    read it (``WeightAveraging.on_load_checkpoint``).
     """
     path = Path(path)
     if path.is_file():
-        return load_full(path, engine, optimizers=optimizers, strict=strict)
-    return load_sharded(path, engine, optimizers=optimizers, strict=strict)
+        rest = load_full(path, engine, optimizers=optimizers, strict=strict)
+    else:
+        rest = load_sharded(path, engine, optimizers=optimizers, strict=strict)
+    rest[STATE_DICT_KEY] = module_state(engine)
+    return rest

@@ -10,10 +10,15 @@ utility reads it)::
                            state (Lightning's loops, schedulers, callbacks; the
                            torch API's ``extra``) plus a ``"yafsdp"`` entry
 
-DCP keys: ``model`` -> ``{name: tensor}`` and ``optimizer_<i>`` -> the name-keyed
-optimizer state of ``state.py``. Each rank writes its runs as boxes of the full
-parameter shapes ([Note: element ranges as boxes]), so a reader at any world
-size asks DCP for the boxes of its own runs.
+DCP keys: ``model`` -> ``{name: tensor}``, ``optimizer_<i>`` -> the name-keyed
+optimizer state of ``optimizer_state.py`` (every param group with its
+hyperparameters and parameter names), and any other top-level entry of the
+checkpoint that holds sharded tensors (listed in ``meta.pt["yafsdp"]["sharded_keys"]``).
+Each rank writes its elements of every parameter as boxes of the full shapes
+([Note: element ranges as boxes]), so a reader at any world size asks DCP for
+the boxes of its own elements. ``format_version`` 2; version-1 directories
+(one optimizer group per master shard) still load ([Note: version-1 optimizer
+groups]).
 """
 
 from __future__ import annotations
@@ -30,27 +35,31 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_yafsdp.checkpoint import atomic
-from lightning_yafsdp.checkpoint.errors import (
-    CheckpointMismatchError,
-    NotACheckpointError,
-    name_list,
-)
-from lightning_yafsdp.checkpoint.index import ShardIndex, build_index, replicated_state
-from lightning_yafsdp.checkpoint.ranges import FlatRange, RangeLoadPlanner, RangeSavePlanner
-from lightning_yafsdp.checkpoint.state import (
-    check_names_and_shapes,
-    check_param_groups,
+from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
+from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
+from lightning_yafsdp.checkpoint.optimizer_state import (
+    check_state_names,
     load_optimizer_state,
-    sharded_model_state_dict,
+    restored_param_groups,
     sharded_optimizer_state_dict,
 )
+from lightning_yafsdp.checkpoint.ranges import FlatRange, RangeLoadPlanner, RangeSavePlanner
+from lightning_yafsdp.checkpoint.state import check_names_and_shapes, check_writable, module_state
+from lightning_yafsdp.checkpoint.trees import (
+    as_flat_range,
+    has_sharded_leaves,
+    lists_from_int_keys,
+    set_nested,
+    to_flat_ranges,
+)
 from lightning_yafsdp.core import YaFSDPEngine
+from lightning_yafsdp.core.sharded_param import ShardedTensor
 
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 DCP_METADATA_FILENAME = ".metadata"
 MODEL_KEY = "model"
 FORMAT_KEY = "yafsdp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-parameter optimizer groups with their real hyperparameters
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
 
 
@@ -87,28 +96,42 @@ def save_sharded(
         path: the checkpoint directory (created; an existing checkpoint there is
             replaced only after the new one is complete).
         engine: the sharded model's engine.
-        optimizers: optimizers over the engine's master parameters.
+        optimizers: optimizers over the model's (sharded) parameters.
         extra: picklable objects saved by rank 0 in ``meta.pt`` (step counters,
-            schedulers, RNG states...); returned by ``load_sharded``.
+            schedulers, RNG states...); returned by ``load_sharded``. A top-level
+            entry holding sharded tensors (``ShardedTensor`` / ``FlatRange``, e.g. a
+            ``WeightAveraging`` callback's ``"current_model_state"``) is written
+            sharded into the DCP files instead.
         prefix: prepended to every parameter name.
-        model_state: a ready ``sharded_model_state_dict`` (the Lightning strategy
-            passes its own); computed from ``engine`` when None.
+        model_state: the model's state dict as ``ShardedTensor``s / ``FlatRange``s
+            and plain tensors (the Lightning strategy passes the module's
+            ``state_dict()``); ``engine.root.state_dict()`` when None.
         optimizer_states: ready ``sharded_optimizer_state_dict``s, one per optimizer.
 
     Raises:
         CheckpointSaveError: on every rank if any rank failed; nothing in memory changed.
     """
     if model_state is None:
-        model_state = sharded_model_state_dict(engine, prefix=prefix)
+        model_state = module_state(engine, prefix=prefix)
     if optimizer_states is None:
         optimizer_states = [
             sharded_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
         ]
-    state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
+    state: dict[str, Any] = {MODEL_KEY: to_flat_ranges(dict(model_state))}
     for i, optimizer_state in enumerate(optimizer_states):
-        state[optimizer_key(i)] = optimizer_state
+        state[optimizer_key(i)] = to_flat_ranges(optimizer_state)
     meta = dict(extra or {})
-    meta[FORMAT_KEY] = format_info(engine, "sharded", len(optimizer_states), prefix=prefix)
+    sharded_keys = [key for key, value in meta.items() if has_sharded_leaves(value)]
+    for key in sharded_keys:
+        if key == MODEL_KEY or _OPTIMIZER_KEY.match(str(key)):
+            raise CheckpointMismatchError(
+                f"the checkpoint entry {key!r} holds sharded tensors and its name is taken by "
+                "the weights or an optimizer in the sharded layout; rename it"
+            )
+        state[key] = to_flat_ranges(meta.pop(key))
+    meta[FORMAT_KEY] = format_info(
+        engine, "sharded", len(optimizer_states), prefix=prefix, sharded_keys=sharded_keys
+    )
     with atomic.atomic_directory(path, group=engine.group) as tmp:
         dcp.save(
             state,
@@ -121,15 +144,22 @@ def save_sharded(
             atomic.fsync_file(tmp / META_FILENAME)
 
 
-def format_info(engine: YaFSDPEngine, kind: str, num_optimizers: int, *, prefix: str) -> dict:
+def format_info(
+    engine: YaFSDPEngine,
+    kind: str,
+    num_optimizers: int,
+    *,
+    prefix: str,
+    sharded_keys: Sequence[str] = (),
+) -> dict:
     """What ``inspect`` and loaders want to know without reading the tensors."""
-    index = build_index(engine, prefix=prefix)
     return {
         "format_version": FORMAT_VERSION,
         "state_dict_type": kind,
         "world_size": engine.world_size,
         "num_optimizers": num_optimizers,
-        "parameter_count": sum(index.shapes[name].numel() for name in index.aliases),
+        "parameter_count": build_index(engine, prefix=prefix).parameter_count,
+        "sharded_keys": list(sharded_keys),
     }
 
 
@@ -158,7 +188,8 @@ def load_sharded(
 
     Returns:
         The contents of ``meta.pt`` (``extra`` of ``save_sharded``, or the rest of a
-        Lightning checkpoint).
+        Lightning checkpoint), with sharded entries (``"sharded_keys"``) read back as
+        ``ShardedTensor``s where they name a parameter of the model.
 
     Raises:
         NotACheckpointError: ``path`` is not a sharded checkpoint.
@@ -168,55 +199,64 @@ def load_sharded(
     _recover(path, engine)
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
-    reader = FileSystemReader(path)
-    metadata = reader.read_metadata()
-    layout = CheckpointLayout.from_metadata(metadata)
-    index = build_index(engine, prefix=prefix)
-    buffers = replicated_state(engine, prefix=prefix)
-    check_names_and_shapes(
-        expected={**index.shapes, **{k: v.shape for k, v in buffers.items()}},
-        found=layout.model_shapes,
-        what=f"checkpoint {path}",
-        strict=strict,
-    )
-    if optimizers and len(optimizers) != layout.num_optimizers:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} holds the state of {layout.num_optimizers} optimizer(s) but "
-            f"{len(optimizers)} were given; configure the same optimizers as when it was saved, "
-            "or load the weights only (no optimizers)"
-        )
-    objects = _read_objects(path, engine, layout.object_fqns(len(optimizers)))
-    param_groups = [layout.param_groups(i, objects) for i in range(len(optimizers))]
-    for i, optimizer in enumerate(optimizers):
-        unknown = set(layout.optimizer_state[i]) - set(index.aliases)
-        if unknown:
-            raise CheckpointMismatchError(
-                f"optimizer {i} in checkpoint {path} has state for parameters the model does "
-                f"not have: {name_list(unknown)}"
-            )
-        check_param_groups(index, optimizer, param_groups[i])
-
-    targets: dict[str, Any] = {}
-    for run in index.runs:
-        present = [a for a in run.aliases if a in layout.model_shapes]
-        if present:
-            local = index.masters[run.master].detach()[
-                run.master_offset : run.master_offset + run.numel
-            ]
-            targets[layout.model_fqn[present[0]]] = FlatRange(run.shape, run.start, run.end, local)
-    for name, buffer in buffers.items():
-        if name in layout.model_fqn:
-            targets[layout.model_fqn[name]] = buffer
-    states = [_optimizer_targets(index, layout, i, targets) for i in range(len(optimizers))]
-    _read_tensors(path, engine, targets)
-    engine.mark_weights_changed()
-    for i, optimizer in enumerate(optimizers):
-        load_optimizer_state(index, optimizer, param_groups=param_groups[i], states=states[i])
+    layout = CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
     meta_file = path / META_FILENAME
     meta = (
         torch.load(meta_file, map_location="cpu", weights_only=False) if meta_file.is_file() else {}
     )
-    return meta
+    info = meta.get(FORMAT_KEY, {})
+    index = build_index(engine, prefix=prefix)
+    model = module_state(engine, prefix=prefix)
+    _check_model_and_optimizer_count(path, layout, engine, model, len(optimizers), strict=strict)
+    extra_keys = [k for k in info.get("sharded_keys", []) if k in layout.extras]
+    objects = _read_objects(path, engine, layout.object_fqns(len(optimizers), extra_keys))
+    groups = []
+    for i, optimizer in enumerate(optimizers):
+        check_state_names(index, layout.optimizer_state.get(i, {}), what=f"optimizer {i}")
+        groups.append(
+            restored_param_groups(
+                index,
+                optimizer,
+                layout.param_groups(i, objects),
+                format_version=info.get("format_version", FORMAT_VERSION),
+            )
+        )
+    targets = {
+        layout.model_fqn[name]: as_flat_range(value) if isinstance(value, ShardedTensor) else value
+        for name, value in model.items()
+        if name in layout.model_shapes
+    }
+    states = [_optimizer_targets(index, layout, i, targets, objects) for i in range(len(groups))]
+    extras = {key: _extra_targets(layout, key, model, targets, objects) for key in extra_keys}
+    _read_tensors(path, engine, targets)
+    engine.mark_weights_changed()
+    for optimizer, param_groups, state in zip(optimizers, groups, states, strict=True):
+        load_optimizer_state(index, optimizer, param_groups=param_groups, states=state)
+    return {**meta, **{key: _rebuild(values) for key, values in extras.items()}}
+
+
+def _check_model_and_optimizer_count(
+    path: Path,
+    layout: CheckpointLayout,
+    engine: YaFSDPEngine,
+    model: Mapping[str, Any],
+    num_optimizers: int,
+    *,
+    strict: bool,
+) -> None:
+    check_names_and_shapes(
+        expected={k: torch.Size(v.shape) for k, v in model.items()},
+        found=layout.model_shapes,
+        what=f"checkpoint {path}",
+        strict=strict,
+    )
+    check_writable(engine, model)
+    if num_optimizers and num_optimizers != layout.num_optimizers:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds the state of {layout.num_optimizers} optimizer(s) but "
+            f"{num_optimizers} were given; configure the same optimizers as when it was saved, "
+            "or load the weights only (no optimizers)"
+        )
 
 
 def read_format_info(path: str | os.PathLike) -> dict[str, Any]:
@@ -235,7 +275,7 @@ class CheckpointLayout:
         self.model_fqn: dict[str, str] = {}
         self.optimizer_state: dict[int, dict[str, dict[str, str]]] = {}
         self.optimizer_objects: dict[int, dict[tuple, str]] = {}
-        self.other_objects: list[str] = []
+        self.extras: dict[str, dict[tuple, str]] = {}  # top-level key -> {path: fqn}
         self.tensor_md: dict[str, Any] = {}
 
     @property
@@ -263,16 +303,21 @@ class CheckpointLayout:
             elif match:
                 layout.optimizer_objects.setdefault(int(match[1]), {})[path[1:]] = fqn
             else:
-                layout.other_objects.append(fqn)
+                layout.extras.setdefault(str(path[0]), {})[path] = fqn
         return layout
 
-    def object_fqns(self, num_optimizers: int) -> list[str]:
-        return [
+    def object_fqns(self, num_optimizers: int, extra_keys: Sequence[str] = ()) -> list[str]:
+        """Every pickled entry of the first ``num_optimizers`` optimizers and of ``extra_keys``."""
+        fqns = [
             fqn
             for i in range(num_optimizers)
-            for fqn in self.optimizer_objects.get(i, {}).values()
-            if fqn not in self.tensor_md
+            for fqn in [
+                *self.optimizer_objects.get(i, {}).values(),
+                *(f for keys in self.optimizer_state.get(i, {}).values() for f in keys.values()),
+            ]
         ]
+        fqns += [fqn for key in extra_keys for fqn in self.extras[key].values()]
+        return [fqn for fqn in fqns if fqn not in self.tensor_md]
 
     def param_groups(self, optimizer: int, objects: Mapping[str, Any]) -> list[dict]:
         groups: dict[int, dict] = {}
@@ -285,39 +330,74 @@ class CheckpointLayout:
 
 
 def _optimizer_targets(
-    index: ShardIndex, layout: CheckpointLayout, optimizer: int, targets: dict[str, Any]
-) -> dict[int, dict[str, Any]]:
-    """Allocate each master's optimizer state and add DCP read targets for it."""
-    saved = layout.optimizer_state.get(optimizer, {})
-    states: dict[int, dict[str, Any]] = {}
-    for master_id, master in enumerate(index.masters):
-        names = [n for n in index.names_by_master[master_id] if n in saved]
-        if not names:
-            continue
-        entry: dict[str, Any] = {}
-        for key in dict.fromkeys(k for n in names for k in saved[n]):
-            holders = [n for n in names if key in saved[n]]
-            md = layout.tensor_md.get(saved[holders[0]][key])
-            if md is not None and len(md.size) > 0 and md.size == index.shapes[holders[0]]:
-                tensor = torch.zeros_like(master.detach(), memory_format=torch.contiguous_format)
-                for run in index.runs:
-                    if run.master == master_id and key in saved.get(run.name, {}):
-                        local = tensor[run.master_offset : run.master_offset + run.numel]
-                        targets[saved[run.name][key]] = FlatRange(
-                            run.shape, run.start, run.end, local
-                        )
-                entry[key] = tensor
-            elif md is not None:
-                tensor = torch.empty(md.size, dtype=md.properties.dtype)
-                targets[saved[holders[0]][key]] = tensor
-                entry[key] = tensor
-            else:
-                raise CheckpointMismatchError(
-                    f"optimizer {optimizer} state {key!r} is a pickled object; only tensor "
-                    "optimizer state can be loaded from a sharded checkpoint"
+    index: ShardIndex,
+    layout: CheckpointLayout,
+    optimizer: int,
+    targets: dict[str, Any],
+    objects: Mapping[str, Any],
+) -> dict[str, dict[str, Any]]:
+    """Allocate each parameter's optimizer state (its own elements) and add DCP read targets."""
+    states: dict[str, dict[str, Any]] = {}
+    for name, keys in layout.optimizer_state.get(optimizer, {}).items():
+        entry = index.entry_named(name)
+        states[name] = {}
+        for key, fqn in keys.items():
+            md = layout.tensor_md.get(fqn)
+            if md is None:
+                states[name][key] = objects[fqn]  # a pickled value (a Python number...)
+            elif entry is not None and len(md.size) > 0:
+                if torch.Size(md.size) != entry.shape:
+                    raise CheckpointMismatchError(
+                        f"optimizer {optimizer} state {key!r} of {name!r} has shape "
+                        f"{tuple(md.size)} in the checkpoint, the parameter {tuple(entry.shape)}; "
+                        "only per-element and scalar optimizer state can be loaded by name"
+                    )
+                local = torch.zeros(
+                    entry.numel, dtype=md.properties.dtype, device=entry.local.device
                 )
-        states[master_id] = entry
+                targets[fqn] = FlatRange(entry.shape, entry.start, entry.end, local)
+                states[name][key] = local
+            else:  # a scalar, or the state of a replicated (frozen) parameter: whole
+                targets[fqn] = states[name][key] = torch.empty(md.size, dtype=md.properties.dtype)
     return states
+
+
+def _extra_targets(
+    layout: CheckpointLayout,
+    key: str,
+    model: Mapping[str, Any],
+    targets: dict[str, Any],
+    objects: Mapping[str, Any],
+) -> dict[tuple, Any]:
+    """Read targets of a sharded top-level entry: ``{path: value}`` once loaded.
+
+    ``{key: {name: tensor}}`` entries whose name is a sharded parameter of the model
+    with the same shape (a ``WeightAveraging`` callback's ``"current_model_state"``)
+    come back as ``ShardedTensor``s laid out like that parameter; other tensors whole.
+    """
+    values: dict[tuple, Any] = {}
+    for path, fqn in layout.extras[key].items():
+        md = layout.tensor_md.get(fqn)
+        like = model.get(path[1]) if len(path) == 2 else None
+        if md is None:
+            values[path] = objects[fqn]
+        elif isinstance(like, ShardedTensor) and torch.Size(md.size) == like.shape:
+            sharded = like.detach().clone()
+            targets[fqn] = as_flat_range(sharded)
+            values[path] = sharded
+        else:
+            targets[fqn] = values[path] = torch.empty(md.size, dtype=md.properties.dtype)
+    return values
+
+
+def _rebuild(values: Mapping[tuple, Any]) -> Any:
+    """One top-level entry from its ``{path: value}`` leaves (paths start with the key)."""
+    if len(values) == 1 and len(next(iter(values))) == 1:
+        return next(iter(values.values()))
+    root: dict = {}
+    for path, value in values.items():
+        set_nested(root, path[1:], value)
+    return lists_from_int_keys(root)
 
 
 def _read_objects(path: Path, engine: YaFSDPEngine, fqns: list[str]) -> dict[str, Any]:

@@ -5,7 +5,7 @@ This package never imports lightning.
 Example::
 
     engine = shard_model(model)                       # after init_process_group
-    optimizer = torch.optim.AdamW(engine.param_groups(weight_decay=0.1), lr=3e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)   # any param groups
     loss = model(batch).mean(); loss.backward()
     engine.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 """
@@ -13,8 +13,10 @@ Example::
 from lightning_yafsdp.core.collectives import CommStats
 from lightning_yafsdp.core.engine import ParamShard, YaFSDPEngine
 from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.optim_step import register_elementwise_optimizer
 from lightning_yafsdp.core.order_guard import CollectiveOrderError
 from lightning_yafsdp.core.policy import find_units, is_norm_module
+from lightning_yafsdp.core.sharded_param import ShardedTensor, ShardPlacement
 from lightning_yafsdp.core.sharding import ShardingPlan, get_engine, plan_layouts, shard_model
 from lightning_yafsdp.core.streams import ScheduleEvent
 from lightning_yafsdp.core.tensor_tree import OpaqueValueError
@@ -26,11 +28,14 @@ __all__ = [
     "OpaqueValueError",
     "ParamShard",
     "ScheduleEvent",
+    "ShardPlacement",
+    "ShardedTensor",
     "ShardingPlan",
     "YaFSDPEngine",
     "find_units",
     "get_engine",
     "is_norm_module",
     "plan_layouts",
+    "register_elementwise_optimizer",
     "shard_model",
 ]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,15 +17,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
 from lightning_yafsdp.core.collectives import CommStats, all_gather_into, all_reduce_
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.grads import ShardGrads
 from lightning_yafsdp.core.layer import ShardedUnit, UnitState
+from lightning_yafsdp.core.optim_step import OptimizerStepSwap
 from lightning_yafsdp.core.order_guard import CollectiveOrderGuard
 from lightning_yafsdp.core.resident import ResidentGroup
+from lightning_yafsdp.core.sharded_param import ShardedTensor
 from lightning_yafsdp.core.streams import CommScheduler, ScheduleEvent
 
 
@@ -98,8 +98,9 @@ class YaFSDPEngine:
         # Filled by shard_model.
         self.units: list[ShardedUnit] = []
         self.residents: list[ResidentGroup] = []
-        self.flat_shard: nn.Parameter | None = None
-        self.norm_shard: nn.Parameter | None = None
+        # The flat master shards (plain tensors): every sharded parameter is a view of one.
+        self.flat_shard: torch.Tensor | None = None
+        self.norm_shard: torch.Tensor | None = None
         self.flat_compute: torch.Tensor | None = None
         self.norm_compute: torch.Tensor | None = None
         self.unit_grads: ShardGrads | None = None
@@ -110,22 +111,35 @@ class YaFSDPEngine:
         self.phase = EnginePhase.OUTSIDE_BACKWARD
         self._weights_stale = True
         self._seen_master_versions: tuple[int, ...] = ()
-        self._optimizer_hook = _register_weak_step_hook(self)
+        self.optimizer_swap = OptimizerStepSwap(self)
 
     # -- what the optimizer sees -------------------------------------------------
 
+    def sharded_parameters(self) -> list[nn.Parameter]:
+        """Every sharded parameter, once per tied set: units in module order, then residents."""
+        return [param for group in self.groups() for param in group.sharded_params]
+
     def master_parameters(self) -> list[nn.Parameter]:
-        """The master shard parameters: the fused unit shard, then the norm shard if any."""
-        return [p for p in (self.flat_shard, self.norm_shard) if p is not None]
+        raise AttributeError(
+            "engine.master_parameters() is gone: the model keeps its own parameters now "
+            "(sharded, under their original names). Use module.parameters() or "
+            "engine.sharded_parameters(), and engine.param_groups(weight_decay=...) for the "
+            "usual decay split."
+        )
 
     def param_groups(self, *, weight_decay: float = 0.0) -> list[dict]:
-        """Optimizer param groups: units with ``weight_decay``, norms without.
+        """Optimizer param groups: matrices with ``weight_decay``, everything else without.
 
-        Example: ``torch.optim.AdamW(engine.param_groups(weight_decay=0.1), lr=3e-4)``.
+        The nanoGPT / litgpt rule (``p.dim() >= 2`` decays: linear and embedding
+        weights; biases and norm weights do not). Example:
+        ``torch.optim.AdamW(engine.param_groups(weight_decay=0.1), lr=3e-4)``.
         """
-        groups = [{"params": [self.flat_shard], "weight_decay": weight_decay}]
-        if self.norm_shard is not None:
-            groups.append({"params": [self.norm_shard], "weight_decay": 0.0})
+        params = self.sharded_parameters()
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": weight_decay}] if decay else []
+        if rest:
+            groups.append({"params": rest, "weight_decay": 0.0})
         return groups
 
     def mark_weights_changed(self) -> None:
@@ -167,45 +181,54 @@ class YaFSDPEngine:
         self.divide_factor = float(factor)
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the global grad norm across all shards; returns the total norm (fp32).
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, *, params: Iterator | None = None
+    ) -> torch.Tensor:
+        """Clip the global grad norm of ``params`` (default: all); returns the total norm.
 
-        Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded model with
-        one all_reduce of this rank's partial norm.
+        Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: one
+        all_reduce of this rank's partial norm over the sharded grads; grads of
+        replicated (unsharded) parameters count once. Collective.
         """
-        grads = [p.grad for p in self.master_parameters() if p.grad is not None]
+        sharded, replicated = self._grads_of(params)
         norm_type = float(norm_type)
+        inf = norm_type == math.inf
         local = torch.zeros((), dtype=torch.float32, device=self.device)
-        if norm_type == math.inf:
-            for grad in grads:
-                local = torch.maximum(local, grad.detach().abs().max().float())
-            all_reduce_(local, self.group, op=ReduceOp.MAX, stats=self.comm_stats)
-            total = local
-        else:
-            for grad in grads:
-                local += (
-                    torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float32)
-                    ** norm_type
-                )
-            all_reduce_(local, self.group, stats=self.comm_stats)
-            total = local ** (1.0 / norm_type)
+        extra = torch.zeros((), dtype=torch.float32, device=self.device)
+        for grads, total in ((sharded, local), (replicated, extra)):
+            for norm in torch._foreach_norm(grads, norm_type) if grads else ():
+                norm = norm.float()
+                total.copy_(torch.maximum(total, norm) if inf else total + norm**norm_type)
+        op = ReduceOp.MAX if inf else ReduceOp.SUM
+        all_reduce_(local, self.group, op=op, stats=self.comm_stats)
+        total = torch.maximum(local, extra) if inf else (local + extra) ** (1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(clip_coef.to(grad.dtype))
+        for grads in (sharded, replicated):
+            if grads:
+                torch._foreach_mul_(grads, clip_coef.to(grads[0].dtype))
         return total
 
     @torch.no_grad()
-    def clip_grad_value_(self, clip_value: float) -> None:
+    def clip_grad_value_(self, clip_value: float, *, params: Iterator | None = None) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local, exact)."""
-        for param in self.master_parameters():
-            if param.grad is not None:
-                param.grad.clamp_(-clip_value, clip_value)
+        for grads in self._grads_of(params):
+            for grad in grads:
+                grad.clamp_(-clip_value, clip_value)
+
+    def _grads_of(self, params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Local pieces of the sharded grads, and whole grads of replicated params."""
+        params = self.sharded_parameters() if params is None else list(params)
+        with_grad = [p for p in params if p.grad is not None]
+        sharded = [p.grad._local for p in with_grad if isinstance(p.grad, ShardedTensor)]
+        replicated = [p.grad for p in with_grad if not isinstance(p.grad, ShardedTensor)]
+        return sharded, replicated
 
     # -- called by units and resident groups ---------------------------------------
 
     def begin_forward(self) -> None:
         """Before any sharded module runs: refresh stale compute shards, expose residents."""
         self._recover_from_failed_backward()
+        self.optimizer_swap.restore_all()
         if self._weights_stale or self._master_versions() != self._seen_master_versions:
             self._refresh_compute_shards()
         for group in self.residents:
@@ -273,6 +296,8 @@ class YaFSDPEngine:
         self.phase = EnginePhase.BACKWARD
         for grads in self._all_grads():
             grads.begin_backward()
+        for group in self.groups():
+            group.used_in_backward = [False] * len(group.owners)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     # -- internals ---------------------------------------------------------------------
@@ -285,11 +310,10 @@ class YaFSDPEngine:
             buffer.complete_reduce()
         for group in self.residents:
             group.reduce_grads()
-        self.unit_grads.end_backward([g.grad_range for g in self.units] + self._root_ranges())
-        if self.norm_grads is not None:
-            self.norm_grads.end_backward(
-                [g.grad_range for g in self.residents if g.grads is self.norm_grads]
-            )
+        used = self._used_anywhere()
+        for grads, groups in self.grads_by_master():
+            flags = [flag for g in groups for flag in used[id(g)]]
+            grads.end_backward([g.grad_range for g in groups], flags)
         for unit in self.units:
             unit.end_iteration()
         self.phase = EnginePhase.OUTSIDE_BACKWARD
@@ -317,14 +341,42 @@ class YaFSDPEngine:
             grads.abandon_backward()
         self.phase = EnginePhase.OUTSIDE_BACKWARD
 
-    def _root_ranges(self) -> list[tuple[int, int]]:
-        return [g.grad_range for g in self.residents if g.grads is self.unit_grads]
+    def _used_anywhere(self) -> dict[int, list[bool]]:
+        """Per group, per parameter: did ANY rank write a grad for it in this backward?
+
+        One tiny all_reduce (MAX over one byte per parameter), as DDP does with
+        ``find_unused_parameters``: a parameter no rank used keeps ``grad is None``
+        and the optimizer skips it; one used anywhere gets its (reduced) grad on
+        every rank, so every rank holds the same set of grads.
+        """
+        groups = self.groups()
+        flags = [flag for g in groups for flag in g.used_in_backward]
+        tensor = torch.tensor(flags, dtype=torch.uint8, device=self.device)
+        if self.world_size > 1:
+            all_reduce_(tensor, self.group, op=ReduceOp.MAX, stats=self.comm_stats)
+        values = tensor.tolist()
+        result, cursor = {}, 0
+        for group in groups:
+            count = len(group.owners)
+            result[id(group)] = [bool(v) for v in values[cursor : cursor + count]]
+            cursor += count
+        return result
+
+    def grads_by_master(self) -> list[tuple[ShardGrads, list[FlatParamGroup]]]:
+        """Each master's gradient accumulator with the groups stored in that master."""
+        pairs = [(self.unit_grads, [*self.units, *self._residents_of(self.unit_grads)])]
+        if self.norm_grads is not None:
+            pairs.append((self.norm_grads, self._residents_of(self.norm_grads)))
+        return pairs
+
+    def _residents_of(self, grads: ShardGrads) -> list[ResidentGroup]:
+        return [g for g in self.residents if g.grads is grads]
 
     def _all_grads(self) -> list[ShardGrads]:
         return [g for g in (self.unit_grads, self.norm_grads) if g is not None]
 
     def _master_versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self.master_parameters())
+        return tuple(m._version for m in (self.flat_shard, self.norm_shard) if m is not None)
 
     @torch.no_grad()
     def _refresh_compute_shards(self) -> None:
@@ -343,13 +395,6 @@ class YaFSDPEngine:
         self._seen_master_versions = self._master_versions()
         self.scheduler.comm_waits_for_compute()
 
-    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-        masters = {id(p) for p in self.master_parameters()}
-        for param_group in optimizer.param_groups:
-            if any(id(p) in masters for p in param_group["params"]):
-                self._weights_stale = True
-                return
-
     # -- inspection ----------------------------------------------------------------------
 
     def groups(self) -> list[FlatParamGroup]:
@@ -358,29 +403,35 @@ class YaFSDPEngine:
 
     def named_parameter_shards(self) -> Iterator[ParamShard]:
         """This rank's part of every original parameter, by original name (first tied alias)."""
-        for group in self.groups():
-            for index, span in enumerate(group.layout.spans):
-                piece = group.layout.shard_slice(index, self.rank)
-                if piece is None:
-                    continue
-                tensor = group.master_shard[piece.shard_offset : piece.shard_offset + piece.numel]
-                yield ParamShard(span.name, span.shape, piece.param_start, piece.param_end, tensor)
+        for param in self.sharded_parameters():
+            placement = param._placement
+            if placement.numel:
+                yield ParamShard(
+                    placement.name, placement.shape, placement.start, placement.end, param._local
+                )
 
     @contextlib.contextmanager
     def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
-        """Materialize the full master-dtype weights as the modules' attributes.
+        """Put the full master-dtype weights into the modules, as plain parameters.
 
-        For inspection or export outside forward. Every rank holds the whole
-        model for the duration. With ``writeback=True`` changes made to the
-        full tensors are copied back into this rank's shards on exit.
+        For inspection or export outside forward (``state_dict()``,
+        ``named_parameters()``, peft's ``save_pretrained`` see full weights).
+        Collective; every rank holds the whole model for the duration. With
+        ``writeback=True`` changes made to the full tensors are copied back into
+        this rank's shards on exit. On exit the modules hold the same sharded
+        parameter objects as before, so optimizers stay valid.
         """
         self._recover_from_failed_backward()
         if self.in_backward or any(unit.is_computing for unit in self.units):
             raise RuntimeError("summon_full_params() cannot be used during forward or backward")
         full_flats = [self._gather_full(group) for group in self.groups()]
+        for group in self.groups():
+            group.uninstall_views()  # resident views must not hide the full parameters
+        for group in self.residents:
+            group.forget_views()
         try:
             for group, flat in zip(self.groups(), full_flats, strict=True):
-                group.install_views(flat, differentiable=False)
+                group.register_full_params(flat)
             yield
         finally:
             for group, flat in zip(self.groups(), full_flats, strict=True):
@@ -388,21 +439,17 @@ class YaFSDPEngine:
                     start, end = group.layout.shard_range(self.rank)
                     with torch.no_grad():
                         group.master_shard.copy_(flat[start:end])
-                group.install_placeholders()
-            for group in self.residents:
-                group.forget_views()
+                group.register_sharded_params()
             if writeback:
                 self.mark_weights_changed()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Original-name state dict with full master-dtype weights (every rank gets all of it)."""
-        master_ids = {id(p) for p in self.master_parameters()}
         state = {
-            name: tensor
+            name: tensor.detach()
             for name, tensor in self.root.state_dict(keep_vars=True).items()
-            if id(tensor) not in master_ids
+            if not isinstance(tensor, ShardedTensor)
         }
-        state = {k: v.detach() for k, v in state.items()}
         for group in self.groups():
             flat = self._gather_full(group)
             for span, owners in zip(group.layout.spans, group.owners, strict=True):
@@ -415,9 +462,7 @@ class YaFSDPEngine:
         full = torch.empty(
             group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device
         )
-        all_gather_into(
-            full, group.master_shard.detach(), self.group, async_op=False, stats=self.comm_stats
-        )
+        all_gather_into(full, group.master_shard, self.group, async_op=False, stats=self.comm_stats)
         return full
 
     def memory_report(self) -> dict[str, int]:
@@ -426,16 +471,16 @@ class YaFSDPEngine:
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        masters = self.master_parameters()
-        computes = [self.flat_compute, self.norm_compute]
+        masters = (self.flat_shard, self.norm_shard)
+        computes = (self.flat_compute, self.norm_compute)
         return {
-            "master_shards": sum(nbytes(p) for p in masters),
+            "master_shards": sum(nbytes(m) for m in masters),
             "compute_shards": sum(
                 nbytes(c)
-                for c, m in zip(computes, (self.flat_shard, self.norm_shard), strict=True)
+                for c, m in zip(computes, masters, strict=True)
                 if c is not None and c.data_ptr() != m.data_ptr()
             ),
-            "grad_shards": sum(nbytes(p.grad) for p in masters),
+            "grad_shards": sum(nbytes(g.window()) for g in self._all_grads()),
             "weight_buffers": sum(b.nbytes for b in self.weight_buffers),
             "grad_buffers": sum(b.nbytes for b in self.grad_buffers),
             "resident_buffers": sum(
@@ -453,9 +498,21 @@ class YaFSDPEngine:
         finally:
             self.scheduler.log = None
 
+    def __deepcopy__(self, memo: dict) -> YaFSDPEngine:
+        # copy.deepcopy of a sharded model (an EMA's AveragedModel) shares the engine:
+        # one process group, one set of buffers; the copy's parameters are its own.
+        return self
+
+    def __reduce__(self):
+        raise TypeError(
+            "a sharded model cannot be pickled whole (torch.save(model)): its engine holds a "
+            "process group. Save model.state_dict() (this rank's pieces), or the full weights "
+            "with engine.full_state_dict() / the Lightning strategy's checkpoints."
+        )
+
     def close(self) -> None:
         """Remove the engine's hooks (the model stays sharded)."""
-        self._optimizer_hook.remove()
+        self.optimizer_swap.close()
         for handle in self._hooks:
             handle.remove()
         for unit in self.units:
@@ -463,21 +520,3 @@ class YaFSDPEngine:
 
 
 _FORWARD_STATES = (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD)
-
-
-def _register_weak_step_hook(engine: YaFSDPEngine):
-    """A global optimizer step hook that does not keep ``engine`` (and its process group) alive.
-
-    torch keeps global hooks forever; a strong reference would pin every engine ever
-    built, and with it a process group that then outlives ``destroy_process_group``.
-    """
-    engine_ref = weakref.ref(engine)
-
-    def on_step(optimizer, args, kwargs) -> None:
-        # A dead engine's hook stays a no-op: removing it here would mutate the dict
-        # torch is iterating over (engine.close() removes it properly).
-        alive = engine_ref()
-        if alive is not None:
-            alive._on_optimizer_step(optimizer, args, kwargs)
-
-    return register_optimizer_step_post_hook(on_step)

@@ -17,6 +17,7 @@ from torch import nn
 from lightning_yafsdp.core.autograd import Narrow
 from lightning_yafsdp.core.buffers import GradBuffer
 from lightning_yafsdp.core.layout import FlatLayout
+from lightning_yafsdp.core.sharded_param import ShardedTensor, ShardPlacement
 
 
 @dataclass(frozen=True)
@@ -62,11 +63,61 @@ class FlatParamGroup:
         self.master_shard = master_shard
         self.compute_shard = compute_shard
         self.grad_range = grad_range
-        self.requires_grad = [True] * len(owners)
         self._grad_buffer: GradBuffer | None = None
         self._grad_target: torch.Tensor | None = None
         self._written = [False] * len(owners)
-        self._placeholder = torch.empty(0, dtype=compute_shard.dtype, device=compute_shard.device)
+        # Per parameter: did this backward pass write a grad for it on this rank?
+        self.used_in_backward = [False] * len(owners)
+        # Filled by ``make_sharded_params``: what the modules and the optimizer hold.
+        self.sharded_params: list[nn.Parameter] = []
+        self.master_ranges: list[tuple[int, int]] = []
+
+    def __deepcopy__(self, memo: dict) -> FlatParamGroup:
+        # A deep copy of a sharded model (an EMA's AveragedModel) copies the modules'
+        # hooks, which are bound to their groups: the copy's hooks must stay bound to
+        # THIS group (one engine, one process group), which refuses a copy's forward.
+        return self
+
+    # -- the parameters users see ----------------------------------------------
+
+    def make_sharded_params(self, rank: int, process_group) -> None:
+        """One ShardedTensor parameter per span: this rank's piece of the master shard.
+
+        ``master_ranges[i]`` is where parameter i's piece lies in the whole master
+        shard (the grad window and per-element optimizer state use the same offsets).
+        """
+        base = self.grad_range[0]
+        for index, (span, owners) in enumerate(zip(self.layout.spans, self.owners, strict=True)):
+            piece = self.layout.shard_slice(index, rank)
+            if piece is None:
+                start = end = 0
+                offset = 0 if index == 0 else self.master_ranges[-1][1] - base
+            else:
+                start, end, offset = piece.param_start, piece.param_end, piece.shard_offset
+            placement = ShardPlacement(
+                name=span.name,
+                aliases=tuple(owner.name for owner in owners),
+                shape=span.shape,
+                start=start,
+                end=end,
+            )
+            local = self.master_shard[offset : offset + end - start]
+            self.sharded_params.append(nn.Parameter(ShardedTensor(local, placement, process_group)))
+            self.master_ranges.append((base + offset, base + offset + end - start))
+
+    def register_sharded_params(self) -> None:
+        """Put the sharded parameters into the modules, under every original name."""
+        for param, owners in zip(self.sharded_params, self.owners, strict=True):
+            for owner in owners:
+                owner.module._parameters[owner.attr] = param
+
+    def register_full_params(self, flat: torch.Tensor) -> None:
+        """Put full plain parameters, views of the gathered ``flat``, into the modules."""
+        for span, param, owners in zip(self.layout.spans, self.sharded_params, self.owners):
+            view = flat[span.offset : span.end].view(span.shape)
+            full = nn.Parameter(view, requires_grad=param.requires_grad)
+            for owner in owners:
+                owner.module._parameters[owner.attr] = full
 
     # -- parameters as views --------------------------------------------------
 
@@ -74,21 +125,40 @@ class FlatParamGroup:
         """Make every parameter a view of its place in the gathered ``buffer``.
 
         With ``differentiable`` the views come from ``Narrow`` so that their
-        grads land in this group's grad buffer; otherwise they are plain views.
+        grads land in this group's grad buffer; otherwise (and for a parameter whose
+        ``requires_grad`` the user turned off) they are plain views.
+
+        [Note: views shadow parameters] A view goes into the owner module's
+        ``__dict__``, which attribute lookup reads before ``nn.Module.__getattr__``
+        (where ``_parameters`` is searched): inside forward ``self.weight`` is the
+        gathered view while ``_parameters["weight"]`` stays the sharded parameter,
+        so ``named_parameters()`` and ``state_dict()`` yield sharded parameters at
+        all times, forward included.
         """
         for index, span in enumerate(self.layout.spans):
-            if differentiable:
+            if differentiable and self.sharded_params[index].requires_grad:
                 view = Narrow.apply(buffer, self, index, span.offset, span.shape)
             else:
                 view = buffer.detach().narrow(0, span.offset, span.numel).view(span.shape)
             for owner in self.owners[index]:
-                setattr(owner.module, owner.attr, view)
+                owner.module.__dict__[owner.attr] = view
 
     def install_placeholders(self) -> None:
-        """Replace parameters by an empty tensor: outside forward they are sharded."""
+        """Shadow every parameter with an empty tensor (see ``shard_model``'s late init).
+
+        Init code run after sharding (``reset_parameters`` of a module that also owns a
+        frozen meta parameter) then writes nothing into the already initialized shards.
+        """
+        empty = self.master_shard.new_empty(0)
         for owners in self.owners:
             for owner in owners:
-                setattr(owner.module, owner.attr, self._placeholder)
+                owner.module.__dict__[owner.attr] = empty
+
+    def uninstall_views(self) -> None:
+        """Drop the gathered views: module attributes are the sharded parameters again."""
+        for owners in self.owners:
+            for owner in owners:
+                owner.module.__dict__.pop(owner.attr, None)
 
     # -- gradients into the grad buffer ----------------------------------------
 
@@ -102,6 +172,7 @@ class FlatParamGroup:
         """Write (first time) or add the grad of parameter ``index`` into the grad buffer."""
         span = self.layout.spans[index]
         region = self._grad_target.narrow(0, span.offset, span.numel).view(span.shape)
+        self.used_in_backward[index] = True
         if self._written[index]:
             region.add_(grad)
         else:

@@ -9,60 +9,118 @@ is divided exactly once, so accumulation over k micro-batches whose losses
 are divided by k (as Lightning and DDP users do) equals one large batch,
 without the engine having to know which backward is the last.
 
-The first backward after ``optimizer.zero_grad()`` (``.grad is None``, the
-torch default) writes into a new gradient tensor; later backwards add. The
-optimizer sees one fused gradient per master parameter.
+The first backward after ``optimizer.zero_grad()`` (every ``.grad is None``, the
+torch default) writes into a new gradient window, one tensor of the master
+shard's size; later backwards add. [Note: per-parameter grads] Each sharded
+parameter's ``.grad`` is a ShardedTensor over its piece of the window, set at
+the end of a backward for every parameter that some rank wrote a grad for; a
+parameter no rank used keeps ``grad is None``, so the optimizer skips it, as
+under DDP. Nothing but those ``.grad`` views references the window: when
+``zero_grad`` has set them all to None, the window is freed. When only some
+are None (two optimizers, each zeroing its own), their ranges are zeroed in
+the live window at the next backward, so that they start from nothing.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
+from lightning_yafsdp.core.sharded_param import ShardedTensor
+
 
 class ShardGrads:
-    """Accumulates the gradient of one master shard parameter.
-
-    The gradient tensor is allocated at the first backward of an accumulation
-    window and handed to ``master.grad``; the engine keeps no reference, so
-    ``optimizer.zero_grad()`` (``set_to_none=True``) frees it between steps,
-    as torch does for ordinary parameters.
+    """Accumulates the gradients of one master shard and hands them to its parameters.
 
     Args:
-        master: the master shard parameter (fp32 by default).
+        master: the flat master shard (fp32 by default).
+        params: the sharded parameters stored in it, with their ranges in it.
     """
 
-    def __init__(self, master: nn.Parameter) -> None:
+    def __init__(self, master: torch.Tensor, params: list[tuple[nn.Parameter, int, int]]) -> None:
         self.master = master
-        self._window: torch.Tensor | None = None  # a fresh window's grad, until end of backward
+        self.params = params
+        self._live: weakref.ref | None = None  # the window the params' .grad views read
+        self._fresh: torch.Tensor | None = None  # a new window, until the end of backward
         self._written: set[tuple[int, int]] = set()
+
+    def window(self) -> torch.Tensor | None:
+        """The gradient window the parameters' grads are views of, if any grad is set."""
+        if self._fresh is not None:
+            return None
+        live = self._live() if self._live is not None else None
+        if live is not None and not any(p.grad is not None for p, _, _ in self.params):
+            return None
+        return live
 
     def begin_backward(self) -> None:
         """Called once at the start of every backward pass."""
         self._written.clear()
-        if self.master.grad is None:
-            self._window = torch.empty_like(self.master, memory_format=torch.contiguous_format)
+        live = self.window()
+        if live is None:
+            self._fresh = torch.empty_like(self.master, memory_format=torch.contiguous_format)
+            return
+        for param, start, end in self.params:
+            if param.grad is None:
+                live[start:end].zero_()
+            elif not _is_window_view(param.grad, live, start):
+                _refuse_replaced_grad(param)
 
     def add(self, start: int, end: int, reduced: torch.Tensor, divide_factor: float) -> None:
         """Add one reduced shard (a sum over ranks) into elements ``[start, end)``."""
         reduced.div_(divide_factor)
-        if self._window is not None and (start, end) not in self._written:
-            self._window[start:end].copy_(reduced)
-            self._written.add((start, end))
-        else:
-            target = self.master.grad if self._window is None else self._window
-            target[start:end].add_(reduced)
+        if self._fresh is not None:
+            if (start, end) not in self._written:
+                self._fresh[start:end].copy_(reduced)
+                self._written.add((start, end))
+            else:
+                self._fresh[start:end].add_(reduced)
+            return
+        self._live()[start:end].add_(reduced)
 
     def abandon_backward(self) -> None:
         """A backward raised before its end: drop what it accumulated in a fresh window."""
-        self._window = None
+        self._fresh = None
         self._written.clear()
 
-    def end_backward(self, ranges: list[tuple[int, int]]) -> None:
-        """Zero what no reduce wrote in a fresh window and expose it as ``.grad``."""
-        if self._window is None:
-            return
-        for start, end in ranges:
-            if (start, end) not in self._written:
-                self._window[start:end].zero_()
-        self.master.grad, self._window = self._window, None
+    def end_backward(self, ranges: list[tuple[int, int]], used: list[bool]) -> None:
+        """Expose the window as ``.grad`` of every parameter some rank used.
+
+        Args:
+            ranges: the master ranges of every group of this master (to zero the
+                ones no reduce wrote in a fresh window).
+            used: per parameter of ``params``, whether any rank wrote a grad for it
+                in this backward.
+        """
+        window = self._fresh
+        if window is not None:
+            if not any(used):
+                self._fresh = None  # nothing to hand out: every grad stays None
+                return
+            for start, end in ranges:
+                if (start, end) not in self._written:
+                    window[start:end].zero_()
+            self._live, self._fresh = weakref.ref(window), None
+        window = self._live()
+        for (param, start, end), was_used in zip(self.params, used, strict=True):
+            if was_used and param.grad is None:
+                param.grad = ShardedTensor(window[start:end], param._placement, param._group)
+
+
+def _is_window_view(grad: torch.Tensor, live: torch.Tensor, start: int) -> bool:
+    return (
+        isinstance(grad, ShardedTensor)
+        and grad._local.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
+        and grad._local.storage_offset() == live.storage_offset() + start
+    )
+
+
+def _refuse_replaced_grad(param: nn.Parameter) -> None:
+    raise RuntimeError(
+        f"the .grad of the sharded parameter {param._placement.name!r} was replaced by "
+        "another tensor. The engine adds each backward's gradients into its own "
+        "gradient window; set .grad to None (optimizer.zero_grad()) or modify it in "
+        "place (p.grad.mul_(...)) instead of assigning a new tensor."
+    )

@@ -130,6 +130,13 @@ class ShardedUnit(FlatParamGroup):
     # -- forward ---------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if module is not self.module:
+            raise RuntimeError(
+                f"the forward of a deep copy of the sharded unit '{self.name}' was called: a "
+                "copy of a sharded model (copy.deepcopy, an EMA's AveragedModel) holds this "
+                "rank's shards only and cannot compute. Average, save or load it, or run the "
+                "original model (swap weights into it, as WeightAveraging does)."
+            )
         if self.life.state is UnitState.BACKWARD:
             # Non-reentrant checkpointing re-runs forward (with hooks) inside this
             # unit's backward: the weights are gathered already; fresh views that
@@ -175,7 +182,7 @@ class ShardedUnit(FlatParamGroup):
             self.life.fire("no_grad_done" if no_grad else "forward_failed")
             # A pending backward does not need these attributes: pre_backward installs
             # fresh views ([Note: fresh views for recomputation]).
-            self.install_placeholders()
+            self.uninstall_views()
             return output
         self.life.fire("forward_done")
         # [Note: views outlive forward] After a grad-enabled forward the views
@@ -302,12 +309,12 @@ class ShardedUnit(FlatParamGroup):
 
     def end_iteration(self) -> None:
         if self.life.state is not UnitState.IDLE:
-            self.install_placeholders()
+            self.uninstall_views()
         self.life.fire("end_iteration")
 
     def abandon_iteration(self) -> None:
         """The backward raised: back to IDLE from wherever it stopped."""
-        self.install_placeholders()
+        self.uninstall_views()
         self.life.fire("abandon")
 
     def remove_hooks(self) -> None:

@@ -132,7 +132,7 @@ class ResidentGroup(FlatParamGroup):
         self.grads.add(start, end, reduced, engine.divide_factor)
         # The graph that used the views is consumed; the next grad-mode forward re-creates them.
         self._views_in_graph = False
-        self.install_placeholders()
+        self.uninstall_views()
         self.forget_views()
 
     def forget_views(self) -> None:

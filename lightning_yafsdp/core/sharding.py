@@ -3,7 +3,8 @@
 Reads as a script: validate, decide which group each parameter joins, build
 layouts, fill the master shards one group at a time (no rank ever holds more
 than one unflattened group beyond the model it was given), then rewire the
-module: original parameters out, master shard parameters in, hooks on.
+module: original parameters out, sharded parameters (views of the master
+shards) in under the same names, hooks on.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from lightning_yafsdp.core.layout import FlatLayout
 from lightning_yafsdp.core.materialize import Materializer, draw_init_seed
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.resident import ResidentGroup
+from lightning_yafsdp.core.sharded_param import ShardedTensor
 
 NORM_GROUP = "<norms>"
 ROOT_GROUP = "<root>"
@@ -56,11 +58,12 @@ def shard_model(
 ) -> YaFSDPEngine:
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
-    After this call ``module.parameters()`` yields only the master shard
-    parameters: ``_yafsdp_flat_shard`` (all units and the root remainder, one
-    fused optimizer tensor) and ``_yafsdp_norm_shard`` (the norm group, if any).
-    Frozen parameters (``requires_grad=False``) are not sharded: they become
-    persistent buffers under their original names, replicated on every rank.
+    After this call ``module.named_parameters()`` yields every original
+    parameter under its original name as a sharded parameter (a ShardedTensor:
+    full logical shape, this rank's piece of the flat master shard inside; see
+    ``sharded_param.py``), so any optimizer and any param-group split work as on
+    the unsharded model. Frozen parameters (``requires_grad=False``) are not
+    sharded: they stay plain parameters, replicated on every rank.
 
     Args:
         module: a materialized model, identical on every rank (or pass
@@ -125,6 +128,7 @@ def shard_model(
     unit_modules = _trainable_units(module, find_units(module, units), auto=units is None)
     plan = _plan(module, unit_modules, norm_classes, world_size)
     unit_specs, norm_spec, root_spec, frozen = plan.specs
+    _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
     unit_layouts = [layout for _, layout in plan.units]
     root_layout, norm_layout = plan.root, plan.norms
     flat_groups = [*zip(unit_specs, unit_layouts, strict=True)]
@@ -148,10 +152,8 @@ def shard_model(
     )
     if init_on is not None:
         init_on.assign_unit_modules(unit_specs, unit_modules)
-    flat_shard = nn.Parameter(_build_master(flat_groups, **fill))
-    norm_shard = (
-        nn.Parameter(_build_master([(norm_spec, norm_layout)], **fill)) if norm_layout else None
-    )
+    flat_shard = _build_master(flat_groups, **fill)
+    norm_shard = _build_master([(norm_spec, norm_layout)], **fill) if norm_layout else None
 
     engine = YaFSDPEngine(
         module,
@@ -170,8 +172,8 @@ def shard_model(
     engine.flat_shard, engine.norm_shard = flat_shard, norm_shard
     engine.flat_compute = _compute_twin(flat_shard, param_dtype)
     engine.norm_compute = _compute_twin(norm_shard, param_dtype) if norm_shard is not None else None
-    engine.unit_grads = ShardGrads(flat_shard)
-    engine.norm_grads = ShardGrads(norm_shard) if norm_shard is not None else None
+    engine.unit_grads = ShardGrads(flat_shard, [])
+    engine.norm_grads = ShardGrads(norm_shard, []) if norm_shard is not None else None
 
     offset = 0
     for index, ((spec, layout), (_, unit_module)) in enumerate(
@@ -190,11 +192,17 @@ def shard_model(
         kwargs = _group_kwargs(norm_spec, norm_layout, engine, "norm", 0)
         engine.residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
 
-    _rewire_module(module, engine, frozen)
+    _rewire_module(module, engine)
     if init_on is not None:
+        # Frozen parameters and buffers; the sharded parameters are hidden from the
+        # init code, which would otherwise re-initialize them.
+        for flat_group in engine.groups():
+            flat_group.install_placeholders()
         init_on.materialize_rest(module)
+        for flat_group in engine.groups():
+            flat_group.uninstall_views()
     if sync_module_states:
-        _broadcast_buffers(module, group, stats)
+        _broadcast_replicated(module, group, stats)
     _apply_activation_checkpointing(engine, activation_checkpointing)
     engine.comm_stats.reset()
     return engine
@@ -318,6 +326,24 @@ def check_backend(backend: str, device: torch.device) -> None:
         )
 
 
+def _refuse_hidden_aliases(root: nn.Module, specs: list[_GroupSpec]) -> None:
+    # A module attribute that holds a trainable parameter outside ``_parameters``
+    # (object.__setattr__(self, "ref", other.weight)) would keep the full original after
+    # sharding: never trained, silently stale. Registered aliases (tied weights) are fine.
+    sharded = {id(p) for spec in specs for p in spec.params}
+    for module_name, sub in root.named_modules():
+        for attr, value in vars(sub).items():
+            if isinstance(value, nn.Parameter) and id(value) in sharded:
+                where = f"{module_name}.{attr}" if module_name else attr
+                raise ValueError(
+                    f"{where} holds a trainable parameter as a plain attribute, outside the "
+                    "module's registered parameters: sharding replaces every parameter by a "
+                    "sharded one, so this reference would keep the old full tensor, never "
+                    "trained. Register it (module.register_parameter / assign it as an "
+                    "nn.Module attribute, which ties it) or read it through its owner module."
+                )
+
+
 # -- which parameter joins which group ----------------------------------------------
 
 
@@ -398,10 +424,12 @@ def _build_master(groups, *, rank, group, sync, stats, device, dtype, init) -> t
 
 
 @torch.no_grad()
-def _broadcast_buffers(module: nn.Module, group: ProcessGroup, stats: CommStats) -> None:
-    # As DDP at construction: every rank starts from rank 0's buffers (running stats,
-    # frozen parameters, anything __init__ drew at random), in named_buffers() order.
-    for _, buffer in module.named_buffers():
+def _broadcast_replicated(module: nn.Module, group: ProcessGroup, stats: CommStats) -> None:
+    # As DDP at construction: every rank starts from rank 0's frozen parameters and
+    # buffers (running stats, anything __init__ drew at random), in module order.
+    frozen = [p.detach() for p in module.parameters() if not isinstance(p, ShardedTensor)]
+    tensors = frozen + [b for _, b in module.named_buffers()]
+    for buffer in tensors:
         if not buffer.numel():
             continue
         staged = buffer if buffer.is_contiguous() else buffer.contiguous()
@@ -417,7 +445,7 @@ def _default_device(group: ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _compute_twin(master: nn.Parameter, param_dtype: torch.dtype) -> torch.Tensor:
+def _compute_twin(master: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
     # [Note: compute shards] The all_gather source. When the compute dtype equals
     # the master dtype it IS the master shard (no copy); otherwise a twin that is
     # refreshed once after every optimizer step.
@@ -434,7 +462,7 @@ def _group_kwargs(spec, layout, engine, which, offset) -> dict:
         name=spec.name,
         layout=layout,
         owners=spec.owners,
-        master_shard=master.detach()[offset:end],
+        master_shard=master[offset:end],
         compute_shard=compute[offset:end],
         grad_range=(offset, end),
     )
@@ -443,20 +471,17 @@ def _group_kwargs(spec, layout, engine, which, offset) -> dict:
 # -- rewiring the module ---------------------------------------------------------------------
 
 
-def _rewire_module(module: nn.Module, engine: YaFSDPEngine, frozen) -> None:
+def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
     hooked: set[int] = set()
     for group in engine.groups():
-        for owners in group.owners:
-            for owner in owners:
-                del owner.module._parameters[owner.attr]
-        group.install_placeholders()
-    for param, owners in frozen:
-        for owner in owners:
-            del owner.module._parameters[owner.attr]
-            owner.module.register_buffer(owner.attr, param.detach(), persistent=True)
-    module.register_parameter("_yafsdp_flat_shard", engine.flat_shard)
-    if engine.norm_shard is not None:
-        module.register_parameter("_yafsdp_norm_shard", engine.norm_shard)
+        group.make_sharded_params(engine.rank, engine.group)
+        group.register_sharded_params()
+    for grads, groups in engine.grads_by_master():
+        grads.params = [
+            (param, *span)
+            for g in groups
+            for param, span in zip(g.sharded_params, g.master_ranges, strict=True)
+        ]
     # Any module that owns resident parameters, every ancestor of one, and the root make
     # sure they are gathered and exposed before it runs, whoever calls it: a parent may
     # read a child's weight before calling it (CLIP's text embeddings read

@@ -192,16 +192,14 @@ class CausalLMModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         optim, schedule = self.config.optim, self.config.schedule
-        engine = getattr(self.trainer.strategy, "_engine", None)
-        if engine is not None:
-            groups = engine.param_groups(weight_decay=optim.weight_decay)
-        else:
-            decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
-            no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
-            groups = [
-                {"params": decay, "weight_decay": optim.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ]
+        # The usual split, the same under every strategy (sharded parameters report
+        # their full shape): matrices decay, biases and norm weights do not.
+        decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": optim.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
         optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer,

@@ -100,18 +100,14 @@ class Thermometers(Callback):
 def global_grad_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
     """The L2 norm of the whole model's gradient, the same on every rank.
 
-    Under YaFSDP each rank holds disjoint gradient shards (padding is zero), so the
-    squared local norms sum to the squared global norm: one all_reduce. Under DDP
-    the gradients are already whole and identical.
+    Under YaFSDP each gradient is a sharded tensor whose norm is already global (one
+    all_reduce, [Note: sharded parameters]); under DDP the gradients are whole.
     """
     grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    squared = torch.zeros((), dtype=torch.float32, device=device)
-    for grad in grads:
-        squared += grad.detach().float().pow(2).sum()
-    if getattr(trainer.strategy, "strategy_name", None) == "yafsdp" and dist.is_initialized():
-        dist.all_reduce(squared)
-    return float(squared.sqrt())
+    if not grads:
+        return 0.0
+    norms = torch.stack([torch.linalg.vector_norm(g.detach(), 2).float() for g in grads])
+    return float(torch.linalg.vector_norm(norms, 2))
 
 
 def _units(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
