@@ -304,6 +304,10 @@ OPTIMIZER_CONFIGS = {
     "sgd_momentum": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
     "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-3),
     "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=1e-2),
+    "adagrad_fused": lambda groups: torch.optim.Adagrad(groups, lr=1e-2, fused=True),
+    # Scalar state besides `step` (mu_product; eta and mu): each parameter keeps its own.
+    "nadam": lambda groups: torch.optim.NAdam(groups, lr=1e-2),
+    "asgd": lambda groups: torch.optim.ASGD(groups, lr=0.1, lambd=0.5, alpha=1.0, t0=0),
 }
 
 
@@ -403,3 +407,18 @@ def hidden_alias_is_refused() -> str:
     model = _build()
     object.__setattr__(model.blocks[0], "ref", model.head.weight)
     return _message(lambda: shard_model(model))
+
+
+def unsharded_state_is_refused_at_step() -> str:
+    """A DDP run's optimizer.state_dict() loaded straight into the sharded optimizer."""
+    reference = _build()
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    tokens, targets = _data(0, 0, 1)
+    F.cross_entropy(reference(tokens).flatten(0, 1), targets.flatten()).backward()
+    plain.step()
+    model = _build()
+    shard_model(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer.load_state_dict(plain.state_dict())
+    F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+    return _message(optimizer.step)

@@ -154,3 +154,9 @@ def test_peft_save_pretrained_outside_summon_is_refused_with_the_fix() -> None:
 def test_a_parameter_kept_outside_registered_parameters_is_refused() -> None:
     message = dist_run(1, probes.hidden_alias_is_refused, timeout_s=120)[0]
     assert message.startswith("ValueError: blocks.0.ref holds a trainable parameter"), message
+
+
+def test_unsharded_optimizer_state_is_refused_before_it_is_stepped() -> None:
+    for message in dist_run(2, probes.unsharded_state_is_refused_at_step, timeout_s=120):
+        assert message.startswith("RuntimeError: optimizer state 'exp_avg'"), message
+        assert "trainer.fit(ckpt_path=...)" in message, message

@@ -14,7 +14,8 @@ Per-element state lives in "arenas", one flat tensor of the master's size per st
 each parameter's state entries are views of its range of the arena, so a run's state is
 ``arena[a:b]`` with no copy. Fresh state (a first step, or state loaded by
 ``load_state_dict``) is adopted into the arena once, after the step. Each parameter keeps
-its own ``step`` tensor: a run steps a copy holding the members' common value, which is
+its own scalar state (``step``, NAdam's ``mu_product``, ASGD's ``eta``): a run needs the
+members to agree on all of it and steps a copy holding the common values, which is
 written back to each member afterwards, so a parameter skipped by one step (no grad)
 keeps its own count, exactly as the per-parameter optimizer would.
 
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from lightning_yafsdp.core.sharded_param import local_of
 
 RUN_NUMEL_CAP = 1 << 20
 
@@ -59,7 +62,6 @@ class Run:
     slots: list[PieceSlot]
     tensor: torch.Tensor
     fresh: bool
-    step: torch.Tensor | None = None
     entered: dict | None = None  # the state handed to the optimizer (arena slices)
 
 
@@ -103,10 +105,21 @@ def _empty_key(param, state) -> tuple | None:
     entry = state.get(param)
     if not entry:
         return ("empty", "fresh")
-    step = entry.get("step")
-    if not isinstance(step, torch.Tensor) or step.dim() != 0 or step.device.type != "cpu":
-        return None
-    return ("empty", step.item())
+    scalars = _scalar_values(entry)
+    return None if scalars is None else ("empty", scalars)
+
+
+def _scalar_values(entry: dict) -> tuple | None:
+    """The values of every 0-dim state tensor (``step``, NAdam's ``mu_product``, ASGD's
+    ``eta``/``mu``): members of one run must agree on all of them. None: not on CPU.
+    """
+    values = []
+    for name, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 0:
+            if value.device.type != "cpu":
+                return None
+            values.append((name, value.item()))
+    return tuple(values) if values else None
 
 
 def _sort_key(param, slot_of) -> tuple:
@@ -133,12 +146,12 @@ def _merge_key(param, slot: PieceSlot, state, windows: dict) -> tuple | None:
     entry = state.get(param)
     if not entry:
         return ("fresh", id(window))
-    step = entry.get("step")
-    if not isinstance(step, torch.Tensor) or step.dim() != 0 or step.device.type != "cpu":
+    scalars = _scalar_values(entry)
+    if scalars is None:
         return None
     arenas = []
-    for name, value in entry.items():
-        if name == "step" or not isinstance(value, torch.Tensor) or value.dim() == 0:
+    for value in entry.values():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
             continue
         base = value._base
         if base is None or base.numel() != slot.master.numel():
@@ -146,7 +159,7 @@ def _merge_key(param, slot: PieceSlot, state, windows: dict) -> tuple | None:
         if value.data_ptr() != base.data_ptr() + slot.start * base.element_size():
             return None
         arenas.append(id(base))
-    return ("arena", step.item(), tuple(arenas), id(window))
+    return ("arena", scalars, tuple(arenas), id(window))
 
 
 def _continues(pending, slot: PieceSlot, key: tuple) -> bool:
@@ -181,11 +194,12 @@ def _make_run(members, slots, key, state) -> Run:
     if not fresh:
         run_state = {}
         for name, value in state[members[0]].items():
-            if name == "step":
-                run.step = value.clone()
-                run_state[name] = run.step
-            elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                run_state[name] = value if empty else value._base[a:b]
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                # Every member keeps its own scalar state: the run steps a copy of the
+                # common value, written back to each member afterwards.
+                run_state[name] = value.clone()
+            elif isinstance(value, torch.Tensor):
+                run_state[name] = local_of(value) if empty else value._base[a:b]
             else:
                 run_state[name] = value
         state[tensor] = run_state
@@ -214,12 +228,13 @@ def finish_run(run: Run, state, arenas: dict) -> None:
     for member, slot in zip(run.members, run.slots, strict=True):
         entry = state[member]
         for name, value in run_state.items():
-            if name == "step":
-                if isinstance(entry.get("step"), torch.Tensor):
-                    entry["step"].copy_(value)
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                own = entry.get(name)
+                if isinstance(own, torch.Tensor) and own is not value and own.dim() == 0:
+                    own.copy_(value)
                 else:
-                    entry["step"] = value.clone()
-            elif not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    entry[name] = value.clone()
+            elif not isinstance(value, torch.Tensor):
                 entry[name] = value
         for name, arena in moved:
             entry[name] = arena[slot.start : slot.end]

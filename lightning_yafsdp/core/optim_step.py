@@ -212,5 +212,25 @@ def _enter_piece(param, state) -> torch.Tensor:
     piece = param._local
     piece.grad = None if param.grad is None else param.grad._local
     if param in state:
-        state[piece] = {k: local_of(v) for k, v in state.pop(param).items()}
+        entry = {k: local_of(v) for k, v in state[param].items()}
+        _check_piece_state(param, entry)
+        del state[param]
+        state[piece] = entry
     return piece
+
+
+def _check_piece_state(param, entry: dict) -> None:
+    # State loaded with optimizer.load_state_dict from an unsharded run (DDP) has the
+    # parameter's full shape; stepping it against this rank's piece would fail deep in
+    # the optimizer, or broadcast into nonsense.
+    numel = param._local.numel()
+    for name, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != numel:
+            raise RuntimeError(
+                f"optimizer state {name!r} of the sharded parameter "
+                f"{param._placement.name!r} has shape {tuple(value.shape)}, but this rank "
+                f"holds {numel} of its elements: it was loaded with "
+                "optimizer.load_state_dict() from an unsharded run (DDP, one device). Load "
+                "checkpoints through the strategy (trainer.fit(ckpt_path=...)) or "
+                "lightning_yafsdp.checkpoint, which slices every state tensor for this rank."
+            )
