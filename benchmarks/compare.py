@@ -12,19 +12,29 @@ AdamW, lr 1e-4, weight decay 0.1) trained by ``Trainer.fit`` under:
 * ``fsdp``: ``Trainer(strategy="fsdp")`` (FSDP1, blocks auto-wrapped): CUDA only,
   Lightning refuses it on CPU;
 * ``deepspeed``: ``Trainer(strategy="deepspeed_stage_3")``: only if ``deepspeed`` is
-  importable and CUDA is available.
+  importable and CUDA is available;
+* ``floor``: the compute floor, not a peer: ONE process (no process group, no
+  distribution), ``Trainer(accelerator=<cpu|cuda>, devices=1, strategy="auto")``, the
+  same per-rank batch and sequence (the rows rank 0 gets under the 2-rank strategies
+  from Lightning's DistributedSampler, so its first loss is rank 0's), ``--threads``
+  torch threads.
 
 Unavailable peers are listed as "skipped: reason". Every (strategy, round) pair is a
-fresh 2-rank job (``torch.multiprocessing`` spawn, ``file://`` rendezvous; the ranks
-look like externally launched processes to Lightning), so peak memory never mixes
-between strategies; strategies run in a rotating order over ``--rounds`` rounds. A
-callback times each training batch with ``perf_counter`` from ``on_train_batch_start``
-to ``on_train_batch_end`` (forward, loss, backward, optimizer step, zero_grad and
-Lightning's loop around them; not data loading); a step's time is the slower rank's;
-``--warmup`` batches are not measured. The report gives median step time, tokens/s,
-peak memory per rank (RSS on CPU, with a separate memory pass under RSS-tracking malloc
-settings; allocated/reserved and allocator retries on CUDA), yafsdp's collectives per
-step (``engine.comm_stats``), and the ratios against each peer next to the goals.
+fresh job of 2 ranks (the floor: 1 process; ``torch.multiprocessing`` spawn, ``file://``
+rendezvous; the ranks look like externally launched processes to Lightning), so peak
+memory never mixes between strategies; strategies, the floor among them, run in a
+rotating order over ``--rounds`` rounds. A callback times each training batch with
+``perf_counter`` from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, loss,
+backward, optimizer step, zero_grad and Lightning's loop around them; not data loading);
+a step's time is the slower rank's; ``--warmup`` batches are not measured. The report
+gives median step time, tokens/s, peak memory per rank (RSS on CPU, with a separate
+memory pass under RSS-tracking malloc settings; allocated/reserved and allocator
+retries on CUDA), yafsdp's collectives per step (``engine.comm_stats``), and the ratios
+against each peer next to the goals. When the floor ran, a second table gives each
+strategy's overhead above the floor (its median step minus the floor's: communication,
+sharding and distribution bookkeeping) and the overhead ratios against each peer
+(``overhead vs DDP``, ``overhead vs FSDP2``: overhead(strategy) / overhead(peer)), with
+the goals on yafsdp's row.
 
 Examples::
 
@@ -55,7 +65,8 @@ except ImportError:  # imported as benchmarks.compare from the repository root
     from benchmarks import _measure as m
 
 WORLD_SIZE = 2
-STRATEGIES = ("yafsdp", "ddp", "fsdp2", "fsdp", "deepspeed")
+FLOOR = "floor"  # one process, no distribution: the compute floor of a step
+STRATEGIES = ("yafsdp", "ddp", "fsdp2", "fsdp", "deepspeed", FLOOR)
 PEERS = ("ddp", "fsdp2", "fsdp", "deepspeed")
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp": "FSDP1", "deepspeed": "DeepSpeed"}
 OURS = "yafsdp"
@@ -66,6 +77,9 @@ GOALS = {
     ("step", "fsdp2"): 0.70,
     ("mem", "fsdp2"): 1.00,
     ("mem", "ddp"): 0.75,
+    # Upper bounds on overhead(yafsdp) / overhead(peer), overhead = step - floor's step.
+    ("overhead", "fsdp2"): 0.60,
+    ("overhead", "ddp"): 1.20,
 }
 
 # Model presets: LlamaConfig presets plus a few mid-size shapes (~125M and ~350M
@@ -279,8 +293,17 @@ def _timer_callback(cfg: dict, rank: int):
     return StepTimer()
 
 
-def _rank_main(rank: int, cfg: dict) -> None:
-    """One rank of one job: build the Trainer, fit, write a JSON result."""
+def _init_process(rank: int, cfg: dict) -> None:
+    """Threads, device and (not for the floor) the 2-rank process group."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(cfg["threads"])
+    cuda = cfg["accelerator"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    if cfg["strategy"] == FLOOR:
+        return  # one process: no rank variables, no process group
     # Externally launched ranks, as torchrun would start them: Lightning's
     # LightningEnvironment reads these and starts no processes of its own.
     os.environ.update(
@@ -291,13 +314,6 @@ def _rank_main(rank: int, cfg: dict) -> None:
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(cfg["port"]),
     )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(cfg["threads"])
-    cuda = cfg["accelerator"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
     # The group is up before Lightning looks (it then skips its own init), so the
     # import baseline below is the same for every strategy.
     dist.init_process_group(
@@ -306,38 +322,40 @@ def _rank_main(rank: int, cfg: dict) -> None:
         rank=rank,
         world_size=WORLD_SIZE,
     )
-    import logging
-    import warnings
 
-    import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no per-job banners
-    warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning vs torch
-    import lightning_yafsdp  # noqa: F401  (registers "yafsdp"; import cost in the baseline)
-    import lightning_yafsdp.models.llama  # noqa: F401
+def _make_loader(cfg: dict):
+    """The rows of every job: ``WORLD_SIZE * batch`` per step. Lightning splits them over
+    the ranks with the shuffling ``DistributedSampler`` it injects for training (seed
+    ``PL_GLOBAL_SEED`` or 0); the floor, which gets no injected sampler, is given that
+    sampler's rank-0 share explicitly, so it trains on rank 0's rows."""
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    # Peak RSS in three phases, as engine_cpu.py: import (+ process group), build
-    # (module, Trainer setup: configure_model, wrapping, optimizer), training.
-    import_peak = m.hwm_kib()
-    import_rss = m.current_rss_kib()
-    hwm_reset = m.reset_hwm()
-
-    module = _make_module(cfg)
     n_steps = cfg["warmup"] + cfg["steps"]
-    gen = torch.Generator().manual_seed(10_000)  # rows split over ranks by the sampler
+    gen = torch.Generator().manual_seed(10_000)
     vocab = cfg["model_config"]["vocab_size"]
     rows = torch.randint(
         0, vocab, (n_steps * cfg["batch"] * WORLD_SIZE, cfg["seq"] + 1), generator=gen
     )
-    loader = DataLoader(TensorDataset(rows), batch_size=cfg["batch"], shuffle=False)
-    timer = _timer_callback(cfg, rank)
-    trainer = pl.Trainer(
+    dataset = TensorDataset(rows)
+    sampler = None
+    if cfg["strategy"] == FLOOR:
+        seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+        sampler = DistributedSampler(dataset, WORLD_SIZE, rank=0, shuffle=True, seed=seed)
+    return DataLoader(dataset, batch_size=cfg["batch"], shuffle=False, sampler=sampler)
+
+
+def _make_trainer(cfg: dict, timer):
+    import lightning.pytorch as pl
+
+    floor = cfg["strategy"] == FLOOR
+    return pl.Trainer(
         accelerator=cfg["accelerator"],
-        devices=WORLD_SIZE,
-        strategy=_make_strategy(cfg),
+        devices=1 if floor else WORLD_SIZE,
+        strategy="auto" if floor else _make_strategy(cfg),
         precision=cfg["precision"],
-        max_steps=n_steps,
+        max_steps=cfg["warmup"] + cfg["steps"],
         callbacks=[timer],
         logger=False,
         enable_checkpointing=False,
@@ -346,14 +364,50 @@ def _rank_main(rank: int, cfg: dict) -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
+
+
+def _rank_main(rank: int, cfg: dict) -> None:
+    """One rank of one job (the floor: its one process): build the Trainer, fit, write a
+    JSON result."""
+    _init_process(rank, cfg)
+    import logging
+    import warnings
+
+    import torch.distributed as dist
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # no per-job banners
+    warnings.filterwarnings("ignore", message=".*treespec, LeafSpec.*")  # lightning vs torch
+    import lightning.pytorch  # noqa: F401
+
+    import lightning_yafsdp  # noqa: F401  (registers "yafsdp"; import cost in the baseline)
+    import lightning_yafsdp.models.llama  # noqa: F401
+
+    # Peak RSS in three phases, as engine_cpu.py: import (+ process group), build
+    # (module, Trainer setup: configure_model, wrapping, optimizer), training.
+    memory = {"import_peak_kib": m.hwm_kib(), "import_rss_kib": m.current_rss_kib()}
+    memory["peak_resets"] = m.reset_hwm()
+
+    module = _make_module(cfg)
+    loader = _make_loader(cfg)
+    timer = _timer_callback(cfg, rank)
+    trainer = _make_trainer(cfg, timer)
     trainer.fit(module, loader)
 
+    result = _rank_result(rank, memory, module, trainer, timer)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    Path(cfg["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _rank_result(rank: int, memory: dict, module, trainer, timer) -> dict:
     res = timer.result
+    import_peak, import_rss = memory["import_peak_kib"], memory["import_rss_kib"]
     train_peak = res["train_peak_kib"]
     build_peak = res["build_peak_kib"]
-    if not hwm_reset:  # no reset possible: one process-wide peak for everything
+    if not memory["peak_resets"]:  # no reset possible: one process-wide peak for everything
         import_peak = build_peak = train_peak
-    result = {
+    return {
         "rank": rank,
         "step_times_s": timer.times,
         "losses": module.losses,
@@ -363,7 +417,7 @@ def _rank_main(rank: int, cfg: dict) -> None:
         "train_start_rss_kib": res["train_start_rss_kib"],
         "train_peak_kib": train_peak,
         "peak_rss_kib": max(import_peak, build_peak, train_peak),
-        "peak_resets": hwm_reset,
+        "peak_resets": memory["peak_resets"],
         "end_rss_kib": m.current_rss_kib(),
         "n_params_local": sum(p.numel() for p in module.parameters()),
         "comm": res.get("comm"),
@@ -372,9 +426,6 @@ def _rank_main(rank: int, cfg: dict) -> None:
         "strategy_class": type(trainer.strategy).__name__,
         "precision_class": type(trainer.strategy.precision_plugin).__name__,
     }
-    dist.barrier()
-    dist.destroy_process_group()
-    Path(cfg["out_dir"], f"rank{rank}.json").write_text(json.dumps(result))
 
 
 def _free_port() -> int:
@@ -412,8 +463,9 @@ def _run_job(
             "profile": profile,
             "profile_rows": args.profile_rows,
         }
-        mp.spawn(_rank_main, args=(cfg,), nprocs=WORLD_SIZE, join=True)
-        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+        nprocs = 1 if strategy == FLOOR else WORLD_SIZE
+        mp.spawn(_rank_main, args=(cfg,), nprocs=nprocs, join=True)
+        results = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(nprocs)]
         if profile:
             results[0]["profile_table"] = Path(tmp, "profile.txt").read_text()
             if args.trace:
@@ -429,6 +481,7 @@ def _summarize(name: str, jobs: list[list[dict]], mem_jobs: list[list[dict]], st
     for job in jobs:
         step_times += m.slower_rank_times(job)
     first = jobs[0]
+    n = len(first)  # processes per job: WORLD_SIZE, the floor 1
     summary: dict[str, Any] = {
         "strategy": name,
         "lightning_strategy": first[0]["strategy_class"],
@@ -438,16 +491,15 @@ def _summarize(name: str, jobs: list[list[dict]], mem_jobs: list[list[dict]], st
         "max_step_s": max(step_times),
         "step_times_s": step_times,
         "round_medians_s": [m.median_step(job) for job in jobs],
-        "timing_runs_memory": m.memory_summary(jobs, WORLD_SIZE),
-        "memory_pass": m.memory_summary(mem_jobs, WORLD_SIZE) if mem_jobs else None,
-        "first_loss_per_rank": [first[r]["losses"][0] for r in range(WORLD_SIZE)],
-        "last_loss_per_rank": [first[r]["losses"][-1] for r in range(WORLD_SIZE)],
-        "local_params_per_rank": [first[r]["n_params_local"] for r in range(WORLD_SIZE)],
+        "timing_runs_memory": m.memory_summary(jobs, n),
+        "memory_pass": m.memory_summary(mem_jobs, n) if mem_jobs else None,
+        "first_loss_per_rank": [first[r]["losses"][0] for r in range(n)],
+        "last_loss_per_rank": [first[r]["losses"][-1] for r in range(n)],
+        "local_params_per_rank": [first[r]["n_params_local"] for r in range(n)],
     }
     if first[0]["cuda"] is not None:
         summary["cuda_memory_per_rank"] = [
-            {k: max(job[r]["cuda"][k] for job in jobs) for k in first[r]["cuda"]}
-            for r in range(WORLD_SIZE)
+            {k: max(job[r]["cuda"][k] for job in jobs) for k in first[r]["cuda"]} for r in range(n)
         ]
     if first[0]["comm"] is not None:
         summary["comm_per_step"] = m.comm_per_step(first[0]["comm"], steps)
@@ -467,9 +519,21 @@ def peak_memory_mib(summary: dict) -> float:
     return max(mem["peak_rss_mib_per_rank"])
 
 
+def overheads(summaries: dict[str, dict]) -> dict[str, float]:
+    """Each strategy's median step minus the floor's (s); ``{}`` when the floor did not run."""
+    floor = summaries.get(FLOOR)
+    if floor is None:
+        return {}
+    base = floor["median_step_s"]
+    return {name: s["median_step_s"] - base for name, s in summaries.items() if name != FLOOR}
+
+
 def compute_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float]]:
-    """``{strategy: {"step_vs_<peer>": x, "mem_vs_<peer>": y}}`` for every peer present."""
+    """``{strategy: {"step_vs_<peer>": x, "mem_vs_<peer>": y, "overhead_vs_<peer>": z}}``
+    for every peer present; ``overhead_vs_<peer>`` only with the floor and when the peer's
+    overhead is positive (a ratio over a non-positive overhead means nothing)."""
     live = all(s["memory_pass"] for s in summaries.values())
+    over = overheads(summaries)
     out: dict[str, dict[str, float]] = {}
     for name, s in summaries.items():
         row: dict[str, float] = {}
@@ -484,6 +548,8 @@ def compute_ratios(summaries: dict[str, dict]) -> dict[str, dict[str, float]]:
                 row[f"mem_vs_{peer}"] = max(s["timing_runs_memory"]["peak_rss_mib_per_rank"]) / max(
                     p["timing_runs_memory"]["peak_rss_mib_per_rank"]
                 )
+            if name in over and over.get(peer, 0.0) > 0:
+                row[f"overhead_vs_{peer}"] = over[name] / over[peer]
         out[name] = row
     return out
 
@@ -493,7 +559,11 @@ def goal_results(ratios: dict[str, dict[str, float]]) -> list[dict]:
     out = []
     for (metric, peer), goal in GOALS.items():
         value = ours.get(f"{metric}_vs_{peer}")
-        what = "step time" if metric == "step" else "peak memory/rank"
+        what = {
+            "step": "step time",
+            "mem": "peak memory/rank",
+            "overhead": "step overhead above the floor",
+        }[metric]
         out.append(
             {
                 "name": f"yafsdp {what} vs {LABELS[peer]}",
@@ -552,6 +622,28 @@ def render_table(summaries: dict[str, dict], ratios: dict, tokens_per_step: int)
         rows.append(row)
     align = "lrr" + "r" * 3 + "l" * (2 * len(peers) + 1)
     return m.markdown_table(header, rows, align)
+
+
+def render_overhead_table(summaries: dict[str, dict], ratios: dict) -> str | None:
+    """Markdown: per strategy, overhead = median step - floor's median step, its share of
+    the floor, and overhead vs every peer present (goals on yafsdp's row). None without
+    the floor."""
+    over = overheads(summaries)
+    if not over:
+        return None
+    floor_step = summaries[FLOOR]["median_step_s"]
+    peers = [p for p in PEERS if p in summaries]
+    header = ["strategy", "median step (s)", "overhead above floor (s)", "overhead / floor"]
+    header += [f"overhead vs {LABELS[p]}" for p in peers]
+    rows = [[FLOOR, f"{floor_step:.3f}", "0 (the floor)", "-"] + ["-"] * len(peers)]
+    for name, extra in over.items():
+        row = [name, f"{summaries[name]['median_step_s']:.3f}", f"{extra:+.3f}"]
+        row.append(f"{100 * extra / floor_step:+.0f}%")
+        for p in peers:
+            goal = GOALS.get(("overhead", p)) if name == OURS else None
+            row.append(m.ratio(ratios[name].get(f"overhead_vs_{p}"), goal))
+        rows.append(row)
+    return m.markdown_table(header, rows, "lrrr" + "l" * len(peers))
 
 
 # --------------------------------------------------------------------------- estimate
@@ -823,13 +915,62 @@ def _report(
     skipped: dict[str, str],
     n_params: int,
 ) -> None:
-    """Print the table, notes, goals and (``--estimate``) the estimate; plot; dump JSON."""
+    """Print the tables, notes, goals and (``--estimate``) the estimate; plot; dump JSON."""
     ratios = compute_ratios(summaries)
     goals = goal_results(ratios)
     tokens_per_step = args.batch * args.seq * WORLD_SIZE
     table = render_table(summaries, ratios, tokens_per_step)
     print()
     print(table)
+    _print_notes(args, tokens_per_step)
+    overhead_table = render_overhead_table(summaries, ratios)
+    if overhead_table:
+        print(
+            "\nOverhead above the compute floor (floor = one process, no distribution, "
+            "the same per-rank batch, the same threads; overhead = median step - floor's "
+            "median step; overhead vs PEER = overhead(strategy) / overhead(PEER)):\n"
+        )
+        print(overhead_table)
+    print(
+        "per-round medians (s): "
+        + "; ".join(
+            f"{s} " + ", ".join(f"{t:.3f}" for t in v["round_medians_s"])
+            for s, v in summaries.items()
+        )
+    )
+    losses = {s: v["first_loss_per_rank"] for s, v in summaries.items()}
+    print(
+        "first-step loss per rank (should agree across strategies; the floor's one process "
+        f"trains on rank 0's rows): {losses}"
+    )
+    _print_goals(goals, n_params, skipped)
+
+    estimate_cmp = None
+    if args.estimate:
+        estimate_cmp = estimate_comparison(args, summaries.get(OURS))
+        print()
+        print(render_estimate(estimate_cmp))
+    if args.plot:
+        print(write_plot(args.plot, summaries))
+    if args.json_path:
+        payload = {
+            "header": header,
+            "n_params": n_params,
+            "tokens_per_step": tokens_per_step,
+            "strategies": list(summaries),
+            "skipped": skipped,
+            "goals": goals,
+            "ratios": ratios,
+            "overheads_s": overheads(summaries),
+            "summaries": summaries,
+            "estimate": estimate_cmp,
+            "table_markdown": table,
+            "overhead_markdown": overhead_table,
+        }
+        _write_json(args, payload)
+
+
+def _print_notes(args: argparse.Namespace, tokens_per_step: int) -> None:
     print(
         "\nstep = slower rank, on_train_batch_start -> on_train_batch_end, median over all "
         f"measured steps of all rounds; tokens/s = {tokens_per_step} tokens per step (both "
@@ -847,53 +988,33 @@ def _report(
         + " Collectives: yafsdp's engine.comm_stats per step, rank 0, bytes = "
         "gathered/unreduced size."
     )
-    print(
-        "per-round medians (s): "
-        + "; ".join(
-            f"{s} " + ", ".join(f"{t:.3f}" for t in v["round_medians_s"])
-            for s, v in summaries.items()
-        )
-    )
-    losses = {s: v["first_loss_per_rank"] for s, v in summaries.items()}
-    print(f"first-step loss per rank (should agree across strategies): {losses}")
+
+
+def _print_goals(goals: list[dict], n_params: int, skipped: dict[str, str]) -> None:
     print("goals (CPU, 2 ranks, Lightning, model >= 50M params):")
     for g in goals:
-        status = "n/a (peer not run)" if g["met"] is None else m.ratio(g["value"], g["goal"])
+        status = m.ratio(g["value"], g["goal"])
+        if g["met"] is None:
+            status = "n/a (peer not run)"
+            if g["key"].startswith("overhead_"):
+                status = "n/a (floor or peer not run, or the peer's overhead <= 0)"
         print(f"  {g['name']}: {status}")
     if n_params < 50e6:
         print(f"  (this model has {n_params / 1e6:.1f}M params: the goals are for >= 50M)")
     for s, reason in skipped.items():
         print(f"skipped: {s} ({reason})")
 
-    estimate_cmp = None
-    if args.estimate:
-        estimate_cmp = estimate_comparison(args, summaries.get(OURS))
-        print()
-        print(render_estimate(estimate_cmp))
-    if args.plot:
-        print(write_plot(args.plot, summaries))
-    if args.json_path:
-        config = {
-            k: v
-            for k, v in vars(args).items()
-            if k not in ("json_path", "profile", "trace", "plot", "profile_rows", "from_json")
-        }
-        payload = {
-            "config": config,
-            "header": header,
-            **m.platform_info(),
-            "lightning": _lightning_version(),
-            "n_params": n_params,
-            "tokens_per_step": tokens_per_step,
-            "strategies": list(summaries),
-            "skipped": skipped,
-            "goals": goals,
-            "ratios": ratios,
-            "summaries": summaries,
-            "estimate": estimate_cmp,
-            "table_markdown": table,
-        }
-        m.write_json(args.json_path, payload)
+
+def _write_json(args: argparse.Namespace, payload: dict) -> None:
+    """``payload`` with the run's config and platform first, to ``--json``."""
+    config = {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("json_path", "profile", "trace", "plot", "profile_rows", "from_json")
+    }
+    head = {"config": config, "header": payload.pop("header")}
+    head.update(m.platform_info(), lightning=_lightning_version())
+    m.write_json(args.json_path, {**head, **payload})
 
 
 def _lightning_version() -> str:

@@ -10,14 +10,18 @@ backward: an approximation, to be compared with measurements (benchmarks).
 [Note: estimate formulas] Per rank, ZeRO-3, P/R/M = param/reduce/master dtype bytes:
   master shards   = sum(shard numel of every group) x M
   compute shards  = same numel x P, only when P != M (else the master is gathered)
+  frozen shards   = sum(frozen shard numel of every unit) x P
   grad shards     = master shards
   optimizer       = 2 x master shards (AdamW exp_avg, exp_avg_sq)
-  weight buffers  = 2 (ZeRO-3) or n_units (ZeRO-2) x largest unit padded numel x P
-  grad buffers    = 2 x (largest padded + largest shard) x R
-  resident groups = per group (root remainder, norms): padded x P + (padded + shard) x R
+  weight buffers  = per slot (2 in ZeRO-3, one per unit in ZeRO-2) the largest
+                    (padded + frozen padded) of the units using it, x P
+  grad buffers    = per slot (2) the largest (padded + shard) of its units, x R
+  resident groups = per group (resident root remainder, norms): padded x P + (padded + shard) x R
+Units are the blocks and the root units (embeddings, head: [Note: root units]).
 Communication per micro-batch (bytes of the gathered/unreduced tensor, as
 ``engine.comm_stats`` counts them; a ring moves (W-1)/W of that per rank):
   all_gather      = units forward + (ZeRO-3) units but the last two in backward
+                    (a tied embedding/head unit is gathered once per call: counted once)
   reduce_scatter  = every group, once per backward
   all_reduce      = one byte per parameter, once per backward (which got a grad anywhere)
   + once per optimizer step: resident groups' all_gather.
@@ -31,7 +35,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.config import RunConfig
-from lightning_yafsdp.core.sharding import NORM_GROUP, ROOT_GROUP, plan_layouts
+from lightning_yafsdp.core.sharding import NORM_GROUP, ROOT_GROUP, buffer_sizes, plan_layouts
 
 GiB = 1024**3
 
@@ -51,6 +55,9 @@ class GroupSize:
     padded_numel: int
     shard_numel: int
     num_params: int = 0
+    is_block: bool = True  # False: a root unit (embedding, head) or a resident group
+    frozen_padded_numel: int = 0  # a unit's frozen parameters ([Note: frozen shards])
+    frozen_shard_numel: int = 0
 
 
 @dataclass
@@ -71,6 +78,7 @@ class Estimate:
     residents: list[GroupSize]
     master_shards: int = 0
     compute_shards: int = 0
+    frozen_shards: int = 0
     grad_shards: int = 0
     optimizer_states: int = 0
     weight_buffers: int = 0
@@ -91,6 +99,7 @@ class Estimate:
         return {
             "master_shards": self.master_shards,
             "compute_shards": self.compute_shards,
+            "frozen_shards": self.frozen_shards,
             "grad_shards": self.grad_shards,
             "weight_buffers": self.weight_buffers,
             "grad_buffers": self.grad_buffers,
@@ -98,13 +107,18 @@ class Estimate:
         }
 
     def activations(self, checkpointed_units: int) -> int:
-        """Peak activation bytes with the first ``checkpointed_units`` units recomputed."""
-        n = len(self.units)
+        """Peak activation bytes with the first ``checkpointed_units`` blocks recomputed."""
+        n = self.num_blocks
         k = max(0, min(n, checkpointed_units))
         total = (n - k) * self.activations_per_unit + k * self.activations_checkpointed_unit
         if k:  # one recomputed unit's activations exist again during its backward
             total += self.activations_per_unit
         return total + self.activations_root
+
+    @property
+    def num_blocks(self) -> int:
+        """Units that are blocks (what activation checkpointing counts)."""
+        return sum(g.is_block for g in self.units)
 
     @property
     def states(self) -> int:
@@ -133,13 +147,21 @@ def group_sizes(
 ) -> tuple[list[GroupSize], list[GroupSize]]:
     """The engine's flat groups of ``model`` (meta device is fine): units, residents.
 
-    Residents are listed as the engine builds them: the root remainder, then norms.
+    Units are the blocks and the root units in module order; residents are listed
+    as the engine builds them: the resident root remainder, then norms.
     """
     plan = plan_layouts(model, world_size=world_size, units=units, norm_classes=norm_classes)
 
-    def size(name, layout) -> GroupSize:
+    def size(name, layout, *, is_block=False, frozen=None) -> GroupSize:
         return GroupSize(
-            name, layout.numel, layout.padded_numel, layout.shard_numel, len(layout.spans)
+            name,
+            layout.numel,
+            layout.padded_numel,
+            layout.shard_numel,
+            len(layout.spans),
+            is_block=is_block,
+            frozen_padded_numel=frozen.padded_numel if frozen is not None else 0,
+            frozen_shard_numel=frozen.shard_numel if frozen is not None else 0,
         )
 
     residents = [
@@ -147,7 +169,11 @@ def group_sizes(
         for name, layout in ((ROOT_GROUP, plan.root), (NORM_GROUP, plan.norms))
         if layout is not None
     ]
-    return [size(name, layout) for name, layout in plan.units], residents
+    unit_sizes = [
+        size(name, layout, is_block=block, frozen=frozen)
+        for (name, layout), block, frozen in zip(plan.units, plan.blocks, plan.frozen, strict=True)
+    ]
+    return unit_sizes, residents
 
 
 def estimate(
@@ -186,19 +212,24 @@ def estimate(
     shard_numel = sum(g.shard_numel for g in (*units, *residents))
     est.master_shards = shard_numel * m
     est.compute_shards = shard_numel * p if p != m else 0
+    est.frozen_shards = sum(g.frozen_shard_numel for g in units) * p
     est.grad_shards = est.master_shards
     est.optimizer_states = 2 * est.master_shards
-    largest = max(g.padded_numel for g in units)
-    largest_shard = max(g.shard_numel for g in units)
-    n_weight_buffers = 2 if config.strategy.zero_stage == 3 else len(units)
-    est.weight_buffers = n_weight_buffers * largest * p
-    est.grad_buffers = 2 * (largest + largest_shard) * r
+    gathered = [g.padded_numel + g.frozen_padded_numel for g in units]
+    slots = buffer_sizes(
+        gathered,
+        [g.padded_numel for g in units],
+        [g.shard_numel for g in units],
+        config.strategy.zero_stage,
+    )
+    est.weight_buffers = sum(slots.weights) * p
+    est.grad_buffers = (sum(slots.grads) + sum(slots.grad_shards)) * r
     est.resident_buffers = sum(
         g.padded_numel * p + (g.padded_numel + g.shard_numel) * r for g in residents
     )
 
-    regathered = units[:-2] if config.strategy.zero_stage == 3 else []
-    est.all_gather_per_micro_batch = sum(g.padded_numel for g in (*units, *regathered)) * p
+    regathered = gathered[:-2] if config.strategy.zero_stage == 3 else []
+    est.all_gather_per_micro_batch = (sum(gathered) + sum(regathered)) * p
     est.all_gather_per_step = sum(g.padded_numel for g in residents) * p
     est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r
     if world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
@@ -217,7 +248,7 @@ def checkpointed_units(est: Estimate, config: RunConfig) -> int:
     its forward+backward time), all of them if nothing fits.
     """
     spec = config.strategy.activation_checkpointing
-    n = len(est.units)
+    n = est.num_blocks
     if spec == "none":
         return 0
     if spec == "all":

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_yafsdp  # noqa: F401 - registers strategy="yafsdp"
 from lightning_yafsdp import YaFSDPStrategy
+from lightning_yafsdp.core.sharded_param import ShardedTensor
 from tests.zoo_models import full_weights
 
 VOCAB = 32
@@ -207,6 +208,8 @@ class Variant:
             every optimizer step.
         ema: a ``WeightAveraging`` averaging function (``"ema_avg_fn"`` or
             ``"ema_multi_avg_fn"``), or None.
+        freeze: which parameters get ``requires_grad=False`` before sharding (see
+            :func:`freeze`), or None.
     """
 
     model: str = "net"
@@ -218,6 +221,23 @@ class Variant:
     clip_val: float | None = None
     log_grad_norm: bool = False
     ema: str | None = None
+    freeze: str | None = None
+
+
+# What stays trainable under each freezing rule (a name test on the parameter's name).
+FREEZE_RULES: dict[str, Callable[[str], bool]] = {
+    # A LoRA-like base: the block's second projection and the norms train, the embedding,
+    # the head and every other block weight are frozen (mixed units, frozen-only root units).
+    "base": lambda name: "fc2" in name or "o_proj" in name or "norm" in name,
+    # Only norms and biases train: the blocks hold no trainable weight (frozen-only units).
+    "all_but_norms": lambda name: "norm" in name or name.endswith("bias"),
+}
+
+
+def freeze(model: nn.Module, rule: str) -> None:
+    trainable = FREEZE_RULES[rule]
+    for name, param in model.named_parameters():
+        param.requires_grad_(trainable(name))
 
 
 class ViewModule(pl.LightningModule):
@@ -235,11 +255,15 @@ class ViewModule(pl.LightningModule):
         if variant.build == "eager":
             torch.manual_seed(0)
             self.model = build_model(variant.model)
+            if variant.freeze is not None:
+                freeze(self.model, variant.freeze)
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
         self.model = build_model(self.variant.model)
+        if self.variant.freeze is not None:
+            freeze(self.model, self.variant.freeze)
         if self.initial is not None:  # the DDP side of a configure_model comparison
             self.load_state_dict(self.initial)
 
@@ -371,6 +395,7 @@ def fit_variant(variant: Variant, strategy: str, *, initial=None, **yafsdp_optio
     return {
         "losses": module.losses,
         "parameters": [(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
+        "sharded": [n for n, p in module.named_parameters() if isinstance(p, ShardedTensor)],
         "initial": start.weights,
         "trained": end.weights,
         "final": full_weights(trainer, module),

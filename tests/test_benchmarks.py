@@ -1,7 +1,9 @@
 """Smoke test of the Lightning benchmark (benchmarks/compare.py): runs end to end.
 
-One measured step of the tiny model per strategy, one round, no memory pass: it checks
-the plumbing (spawned 2-rank jobs, the timing callback, the JSON report), not speed.
+One measured step of the tiny model per strategy (and of the one-process compute floor),
+one round, no memory pass: it checks the plumbing (spawned 2-rank jobs, the 1-process
+floor, the timing callback, the JSON report and its ``--from-json`` re-render), not speed.
+The overhead arithmetic (step - floor, ratios, goals) is checked on made-up summaries.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+from benchmarks import compare
 
 ROOT = Path(__file__).parents[1]
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -39,7 +44,7 @@ def test_compare_quick_reports_every_strategy_with_ratios_and_goals(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
 
-    ran = ["yafsdp", "ddp", "fsdp2"]
+    ran = ["yafsdp", "ddp", "fsdp2", "floor"]
     assert report["strategies"] == ran
     assert set(report["summaries"]) == set(ran)
     # On CPU, FSDP1 is refused by Lightning; DeepSpeed needs CUDA (and the package).
@@ -53,15 +58,25 @@ def test_compare_quick_reports_every_strategy_with_ratios_and_goals(tmp_path):
             assert report["ratios"][name][f"step_vs_{peer}"] > 0
             assert report["ratios"][name][f"mem_vs_{peer}"] > 0
     assert report["ratios"]["ddp"]["step_vs_ddp"] == 1.0
-    # Same seed, same rows: every strategy starts from the same loss.
-    losses = [report["summaries"][name]["first_loss_per_rank"] for name in ran]
+    # Same seed, same rows: every strategy starts from the same loss; the floor (one
+    # process) trains on rank 0's rows.
+    losses = [report["summaries"][name]["first_loss_per_rank"] for name in ran[:3]]
     torch.testing.assert_close(torch.tensor(losses[1:]), torch.tensor(losses[:1]).expand(2, 2))
+    floor = report["summaries"]["floor"]
+    assert floor["lightning_strategy"] == "SingleDeviceStrategy"
+    assert len(floor["timing_runs_memory"]["peak_rss_mib_per_rank"]) == 1
+    torch.testing.assert_close(floor["first_loss_per_rank"][0], losses[0][0])
+    assert set(report["overheads_s"]) == {"yafsdp", "ddp", "fsdp2"}
+    assert "| floor |" in report["overhead_markdown"]
+    assert "overhead vs FSDP2" in proc.stdout
 
     assert [g["key"] for g in report["goals"]] == [
         "step_vs_ddp",
         "step_vs_fsdp2",
         "mem_vs_fsdp2",
         "mem_vs_ddp",
+        "overhead_vs_fsdp2",
+        "overhead_vs_ddp",
     ]
     assert all(isinstance(g["met"], bool) for g in report["goals"])
     comm = report["summaries"]["yafsdp"]["comm_per_step"]
@@ -75,3 +90,44 @@ def test_compare_quick_reports_every_strategy_with_ratios_and_goals(tmp_path):
         assert {"master_shards", "weight_buffers", "comm all_gather bytes/step"} <= terms
     else:
         assert estimate["unavailable"]
+
+    rerun = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compare.py"), f"--from-json={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert report["overhead_markdown"] in rerun.stdout
+
+
+def _summary(step: float) -> dict:
+    return {"median_step_s": step, "memory_pass": None, "timing_runs_memory": {}}
+
+
+def test_overhead_ratios_and_goals_use_the_floor():
+    summaries = {n: _summary(t) for n, t in [("yafsdp", 1.3), ("ddp", 1.5), ("fsdp2", 2.0)]}
+    summaries["floor"] = _summary(1.0)
+    for s in summaries.values():
+        s["timing_runs_memory"]["peak_rss_mib_per_rank"] = [100.0]
+    ratios = compare.compute_ratios(summaries)
+    assert compare.overheads(summaries) == pytest.approx({"yafsdp": 0.3, "ddp": 0.5, "fsdp2": 1.0})
+    assert ratios["yafsdp"]["overhead_vs_ddp"] == pytest.approx(0.6)
+    assert ratios["yafsdp"]["overhead_vs_fsdp2"] == pytest.approx(0.3)
+    assert "overhead_vs_ddp" not in ratios["floor"]
+    goals = {g["key"]: g for g in compare.goal_results(ratios)}
+    assert goals["overhead_vs_fsdp2"]["goal"] == 0.6 and goals["overhead_vs_fsdp2"]["met"]
+    assert goals["overhead_vs_ddp"]["goal"] == 1.2 and goals["overhead_vs_ddp"]["met"]
+    assert "| yafsdp | 1.300 | +0.300 |" in compare.render_overhead_table(summaries, ratios)
+
+    summaries["ddp"]["median_step_s"] = 0.9  # a peer at or under the floor: no ratio
+    goals = {g["key"]: g for g in compare.goal_results(compare.compute_ratios(summaries))}
+    assert goals["overhead_vs_ddp"]["met"] is None
+    del summaries["floor"]  # no floor (an old --json file): no overheads, goals n/a
+    ratios = compare.compute_ratios(summaries)
+    assert compare.overheads(summaries) == {}
+    assert compare.render_overhead_table(summaries, ratios) is None
+    assert {g["key"]: g["met"] for g in compare.goal_results(ratios)}["overhead_vs_fsdp2"] is None

@@ -1,11 +1,13 @@
 """Every parameter of a sharded engine by name, for checkpointing.
 
-After ``shard_model`` each trainable parameter is a ``ShardedParameter`` in its
-own module (``engine.sharded_parameters()``, one object per tied set): its
+After ``shard_model`` each parameter of a unit, trainable or frozen, and each
+trainable resident parameter is a ``ShardedTensor`` in its own module
+(``engine.sharded_parameters(frozen=True)``, one object per tied set): its
 ``_placement`` says its names, full shape and which elements ``[start, end)``
 this rank holds, and ``_local`` is that piece, a view into the engine's flat
-master. Frozen parameters stay plain, full and replicated. Optimizers hold
-these objects, so this table is what turns optimizer positions into names.
+master (or frozen store). Frozen norms and ties across groups stay plain, full
+and replicated. Optimizers hold these objects, so this table is what turns
+optimizer positions into names.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def build_index(engine: YaFSDPEngine, *, prefix: str = "") -> ShardIndex:
     """The parameter table of ``engine`` for this rank; ``prefix`` is added to every name."""
     sharded = []
     names: dict[int, str] = {}
-    for param in engine.sharded_parameters():
+    for param in engine.sharded_parameters(frozen=True):
         placement = param._placement
         aliases = tuple(prefix + alias for alias in placement.aliases)
         sharded.append(

@@ -1,8 +1,9 @@
 """Model state dicts of a sharded engine, under the original parameter names.
 
 The model's own ``state_dict()`` is the source (a ``LightningModule.state_dict()``
-override included): trainable parameters are ``ShardedTensor``s, buffers and
-frozen parameters plain tensors, the same keys on every rank. Two shapes of it:
+override included): sharded parameters (trainable, and frozen ones of units) are
+``ShardedTensor``s, buffers and replicated frozen parameters plain tensors, the same
+keys on every rank. Two shapes of it:
 
 - sharded: every ``ShardedTensor`` becomes a ``FlatRange`` (this rank's elements,
   no copy); the input of a DCP save, and the target of a DCP load.
@@ -117,7 +118,9 @@ def check_writable(engine: YaFSDPEngine, targets: Mapping[str, Any]) -> None:
     A ``state_dict()`` override may return computed tensors; loading into those
     would change nothing and report success.
     """
-    storages = {p._local.untyped_storage().data_ptr() for p in engine.sharded_parameters()}
+    storages = {
+        p._local.untyped_storage().data_ptr() for p in engine.sharded_parameters(frozen=True)
+    }
     foreign = [
         name
         for name, value in targets.items()

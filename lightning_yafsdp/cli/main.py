@@ -184,7 +184,7 @@ def _estimate(options: argparse.Namespace) -> int:
             **est.engine_report(),
             "optimizer_states": est.optimizer_states,
             "activations_no_checkpointing": est.activations(0),
-            "activations_all_checkpointed": est.activations(len(est.units)),
+            "activations_all_checkpointed": est.activations(est.num_blocks),
             "checkpointed_units": est.checkpointed_units,
             "total": est.total,
             "comm_per_step": est.comm_per_step,

@@ -46,6 +46,17 @@ class CommStats:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
 
 
+class WorkList:
+    """Several async collectives waited as one (a unit's trainable and frozen gathers)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
 def all_gather_into(
     output: torch.Tensor,
     shard: torch.Tensor,

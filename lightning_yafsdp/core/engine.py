@@ -69,9 +69,7 @@ class YaFSDPEngine:
         device: torch.device,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
-        num_weight_buffers: int,
-        buffer_numel: int,
-        buffer_shard_numel: int,
+        buffer_sizes,
         cast_forward_inputs: bool,
     ) -> None:
         self.root = root
@@ -88,12 +86,14 @@ class YaFSDPEngine:
         self.verify_collective_order(device.type != "cuda")
         self.comm_stats = CommStats()
         self.weight_buffers = [
-            WeightBuffer(i, buffer_numel, dtype=param_dtype, device=device)
-            for i in range(num_weight_buffers)
+            WeightBuffer(i, numel, dtype=param_dtype, device=device)
+            for i, numel in enumerate(buffer_sizes.weights)
         ]
         self.grad_buffers = [
-            GradBuffer(i, buffer_numel, buffer_shard_numel, dtype=reduce_dtype, device=device)
-            for i in range(2)
+            GradBuffer(i, numel, shard, dtype=reduce_dtype, device=device)
+            for i, (numel, shard) in enumerate(
+                zip(buffer_sizes.grads, buffer_sizes.grad_shards, strict=True)
+            )
         ]
         # Filled by shard_model.
         self.units: list[ShardedUnit] = []
@@ -103,6 +103,8 @@ class YaFSDPEngine:
         self.norm_shard: torch.Tensor | None = None
         self.flat_compute: torch.Tensor | None = None
         self.norm_compute: torch.Tensor | None = None
+        # Every unit's frozen parameters, sharded, in the compute dtype ([Note: frozen shards]).
+        self.frozen_store: torch.Tensor | None = None
         self.unit_grads: ShardGrads | None = None
         self.norm_grads: ShardGrads | None = None
         self._hooks: list = []
@@ -115,9 +117,16 @@ class YaFSDPEngine:
 
     # -- what the optimizer sees -------------------------------------------------
 
-    def sharded_parameters(self) -> list[nn.Parameter]:
-        """Every sharded parameter, once per tied set: units in module order, then residents."""
-        return [param for group in self.groups() for param in group.sharded_params]
+    def sharded_parameters(self, *, frozen: bool = False) -> list[nn.Parameter]:
+        """Every trainable sharded parameter, once per tied set, in layout order.
+
+        With ``frozen=True`` the frozen sharded parameters follow ([Note: frozen shards]):
+        what a checkpoint holds, not what an optimizer steps.
+        """
+        params = [param for group in self.groups() for param in group.sharded_params]
+        if frozen:
+            params += [param for group in self.groups() for param in group.frozen_params]
+        return params
 
     def master_parameters(self) -> list[nn.Parameter]:
         raise AttributeError(
@@ -397,6 +406,10 @@ class YaFSDPEngine:
 
     # -- inspection ----------------------------------------------------------------------
 
+    def blocks(self) -> list[ShardedUnit]:
+        """The units the policy chose (transformer blocks), without the root units."""
+        return [unit for unit in self.units if unit.is_block]
+
     def groups(self) -> list[FlatParamGroup]:
         """Every flat group: units in module order, then resident groups."""
         return [*self.units, *self.residents]
@@ -424,24 +437,30 @@ class YaFSDPEngine:
         self._recover_from_failed_backward()
         if self.in_backward or any(unit.is_computing for unit in self.units):
             raise RuntimeError("summon_full_params() cannot be used during forward or backward")
-        full_flats = [self._gather_full(group) for group in self.groups()]
+        full_flats = [(self._gather_full(g), self._gather_frozen(g)) for g in self.groups()]
         for group in self.groups():
             group.uninstall_views()  # resident views must not hide the full parameters
         for group in self.residents:
             group.forget_views()
         try:
-            for group, flat in zip(self.groups(), full_flats, strict=True):
-                group.register_full_params(flat)
+            for group, (flat, frozen) in zip(self.groups(), full_flats, strict=True):
+                group.register_full_params(flat, frozen)
             yield
         finally:
-            for group, flat in zip(self.groups(), full_flats, strict=True):
+            for group, (flat, frozen) in zip(self.groups(), full_flats, strict=True):
                 if writeback:
-                    start, end = group.layout.shard_range(self.rank)
-                    with torch.no_grad():
-                        group.master_shard.copy_(flat[start:end])
+                    self._write_back(group, flat, frozen)
                 group.register_sharded_params()
             if writeback:
                 self.mark_weights_changed()
+
+    @torch.no_grad()
+    def _write_back(self, group: FlatParamGroup, flat: torch.Tensor, frozen) -> None:
+        start, end = group.layout.shard_range(self.rank)
+        group.master_shard.copy_(flat[start:end])
+        if frozen is not None:
+            start, end = group.frozen_layout.shard_range(self.rank)
+            group.frozen_shard.copy_(frozen[start:end])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Original-name state dict with full master-dtype weights (every rank gets all of it)."""
@@ -451,11 +470,16 @@ class YaFSDPEngine:
             if not isinstance(tensor, ShardedTensor)
         }
         for group in self.groups():
-            flat = self._gather_full(group)
-            for span, owners in zip(group.layout.spans, group.owners, strict=True):
-                value = flat[span.offset : span.end].view(span.shape)
-                for owner in owners:
-                    state[owner.name] = value
+            placed = [(group.layout, self._gather_full(group), group.owners)]
+            if group.frozen_layout is not None:
+                placed.append(
+                    (group.frozen_layout, self._gather_frozen(group), group.frozen_owners)
+                )
+            for layout, flat, owners_list in placed:
+                for span, owners in zip(layout.spans, owners_list, strict=True):
+                    value = flat[span.offset : span.end].view(span.shape)
+                    for owner in owners:
+                        state[owner.name] = value
         return state
 
     def _gather_full(self, group: FlatParamGroup) -> torch.Tensor:
@@ -463,6 +487,15 @@ class YaFSDPEngine:
             group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device
         )
         all_gather_into(full, group.master_shard, self.group, async_op=False, stats=self.comm_stats)
+        return full
+
+    def _gather_frozen(self, group: FlatParamGroup) -> torch.Tensor | None:
+        if group.frozen_layout is None:
+            return None
+        full = torch.empty(
+            group.frozen_layout.padded_numel, dtype=group.frozen_shard.dtype, device=self.device
+        )
+        all_gather_into(full, group.frozen_shard, self.group, async_op=False, stats=self.comm_stats)
         return full
 
     def memory_report(self) -> dict[str, int]:
@@ -480,6 +513,7 @@ class YaFSDPEngine:
                 for c, m in zip(computes, masters, strict=True)
                 if c is not None and c.data_ptr() != m.data_ptr()
             ),
+            "frozen_shards": nbytes(self.frozen_store),
             "grad_shards": sum(nbytes(g.window()) for g in self._all_grads()),
             "weight_buffers": sum(b.nbytes for b in self.weight_buffers),
             "grad_buffers": sum(b.nbytes for b in self.grad_buffers),

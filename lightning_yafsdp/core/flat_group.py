@@ -5,6 +5,21 @@ gathered around its forward and backward) and a ``ResidentGroup`` (the norm
 group and the root remainder, gathered once per optimizer step). This class
 knows where each parameter lives, how to expose parameters as views of a
 gathered buffer, and how to write their gradients into a grad buffer.
+
+[Note: frozen shards]
+A unit's frozen parameters (``requires_grad=False`` when the model is sharded:
+a LoRA base, a frozen embedding) are sharded too, in a layout of their own: the
+engine's ``frozen_store`` holds every unit's frozen shard, in the compute dtype
+(they are never updated, so no master copy; under bf16-mixed an fp32 frozen
+weight is rounded to bf16 once, as every forward would round it). A unit's
+gather writes its trainable part and then its frozen part into the same weight
+buffer (two all_gathers, waited as one); frozen views are plain views, so
+autograd gives them no grad, and the grad buffers, grad shards and optimizer
+state cover the trainable part only. A unit may have no trainable parameter at
+all (its trainable layout is padding only). Frozen norms, tensors tied across
+groups and integer tensors stay plain, replicated parameters. A frozen
+parameter unfrozen after sharding is refused at the next forward: it has no
+grad path and would silently never train.
 """
 
 from __future__ import annotations
@@ -42,6 +57,10 @@ class FlatParamGroup:
         compute_shard: the same part in the compute dtype (the gather source;
             the same tensor as ``master_shard`` when the dtypes agree).
         grad_range: ``[start, end)`` of ``master_shard`` inside its parameter.
+        frozen_layout / frozen_owners / frozen_shard: a unit's frozen parameters:
+            their flat layout, owners, and this rank's part of the frozen store (in
+            the compute dtype). They are gathered after the trainable part of the
+            weight buffer and get no grads ([Note: frozen shards]).
     """
 
     # Resident groups never compute as a whole; units override this with their state.
@@ -56,6 +75,9 @@ class FlatParamGroup:
         master_shard: torch.Tensor,
         compute_shard: torch.Tensor,
         grad_range: tuple[int, int],
+        frozen_layout: FlatLayout | None = None,
+        frozen_owners: list[list[ParamOwner]] = (),
+        frozen_shard: torch.Tensor | None = None,
     ) -> None:
         self.name = name
         self.layout = layout
@@ -63,6 +85,10 @@ class FlatParamGroup:
         self.master_shard = master_shard
         self.compute_shard = compute_shard
         self.grad_range = grad_range
+        self.frozen_layout = frozen_layout
+        self.frozen_owners = list(frozen_owners)
+        self.frozen_shard = frozen_shard
+        self.frozen_params: list[nn.Parameter] = []
         self._grad_buffer: GradBuffer | None = None
         self._grad_target: torch.Tensor | None = None
         self._written = [False] * len(owners)
@@ -105,19 +131,55 @@ class FlatParamGroup:
             self.sharded_params.append(nn.Parameter(ShardedTensor(local, placement, process_group)))
             self.master_ranges.append((base + offset, base + offset + end - start))
 
+    def make_frozen_params(self, rank: int, process_group) -> None:
+        """One frozen ShardedTensor parameter (requires_grad False) per frozen span."""
+        if self.frozen_layout is None:
+            return
+        for index, (span, owners) in enumerate(
+            zip(self.frozen_layout.spans, self.frozen_owners, strict=True)
+        ):
+            piece = self.frozen_layout.shard_slice(index, rank)
+            start, end, offset = (
+                (piece.param_start, piece.param_end, piece.shard_offset) if piece else (0, 0, 0)
+            )
+            placement = ShardPlacement(
+                name=span.name,
+                aliases=tuple(owner.name for owner in owners),
+                shape=span.shape,
+                start=start,
+                end=end,
+            )
+            local = self.frozen_shard[offset : offset + end - start]
+            sharded = ShardedTensor(local, placement, process_group)
+            self.frozen_params.append(nn.Parameter(sharded, requires_grad=False))
+
+    def _all_params(self):
+        """``(param, owners)`` of every sharded parameter, trainable then frozen."""
+        return [
+            *zip(self.sharded_params, self.owners, strict=True),
+            *zip(self.frozen_params, self.frozen_owners, strict=True),
+        ]
+
+    def _all_owners(self) -> list[list[ParamOwner]]:
+        return [*self.owners, *self.frozen_owners]
+
     def register_sharded_params(self) -> None:
         """Put the sharded parameters into the modules, under every original name."""
-        for param, owners in zip(self.sharded_params, self.owners, strict=True):
+        for param, owners in self._all_params():
             for owner in owners:
                 owner.module._parameters[owner.attr] = param
 
-    def register_full_params(self, flat: torch.Tensor) -> None:
-        """Put full plain parameters, views of the gathered ``flat``, into the modules."""
-        for span, param, owners in zip(self.layout.spans, self.sharded_params, self.owners):
-            view = flat[span.offset : span.end].view(span.shape)
-            full = nn.Parameter(view, requires_grad=param.requires_grad)
-            for owner in owners:
-                owner.module._parameters[owner.attr] = full
+    def register_full_params(self, flat: torch.Tensor, frozen_flat: torch.Tensor | None) -> None:
+        """Put full plain parameters, views of the gathered flats, into the modules."""
+        placed = [(self.layout, flat, self.sharded_params, self.owners)]
+        if self.frozen_layout is not None:
+            placed.append((self.frozen_layout, frozen_flat, self.frozen_params, self.frozen_owners))
+        for layout, source, params, owners_list in placed:
+            for span, param, owners in zip(layout.spans, params, owners_list, strict=True):
+                view = source[span.offset : span.end].view(span.shape)
+                full = nn.Parameter(view, requires_grad=param.requires_grad)
+                for owner in owners:
+                    owner.module._parameters[owner.attr] = full
 
     # -- parameters as views --------------------------------------------------
 
@@ -142,6 +204,16 @@ class FlatParamGroup:
                 view = buffer.detach().narrow(0, span.offset, span.numel).view(span.shape)
             for owner in self.owners[index]:
                 owner.module.__dict__[owner.attr] = view
+        if self.frozen_layout is None:
+            return
+        # [Note: frozen shards] The frozen part follows the trainable part in the buffer.
+        frozen = buffer.detach().narrow(
+            0, self.layout.padded_numel, self.frozen_layout.padded_numel
+        )
+        for span, owners in zip(self.frozen_layout.spans, self.frozen_owners, strict=True):
+            view = frozen.narrow(0, span.offset, span.numel).view(span.shape)
+            for owner in owners:
+                owner.module.__dict__[owner.attr] = view
 
     def install_placeholders(self) -> None:
         """Shadow every parameter with an empty tensor (see ``shard_model``'s late init).
@@ -150,15 +222,30 @@ class FlatParamGroup:
         frozen meta parameter) then writes nothing into the already initialized shards.
         """
         empty = self.master_shard.new_empty(0)
-        for owners in self.owners:
+        for owners in self._all_owners():
             for owner in owners:
                 owner.module.__dict__[owner.attr] = empty
 
     def uninstall_views(self) -> None:
         """Drop the gathered views: module attributes are the sharded parameters again."""
-        for owners in self.owners:
+        for owners in self._all_owners():
             for owner in owners:
                 owner.module.__dict__.pop(owner.attr, None)
+
+    def refuse_unfrozen(self) -> None:
+        """Raise if a frozen sharded parameter was given ``requires_grad=True`` after sharding.
+
+        Its views carry no grad path, so it would silently never train.
+        """
+        for param in self.frozen_params:
+            if param.requires_grad:
+                raise RuntimeError(
+                    f"parameter '{param._placement.name}' was frozen (requires_grad=False) when "
+                    "the model was sharded and has been unfrozen since: frozen parameters are "
+                    "sharded without gradient buffers, so it would never receive a gradient. "
+                    "Set requires_grad=True before the model is sharded (in configure_model, or "
+                    "before shard_model), or keep it frozen."
+                )
 
     # -- gradients into the grad buffer ----------------------------------------
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.autograd import GateGradFlow, PreBackwardGate
-from lightning_yafsdp.core.collectives import all_gather_into, reduce_scatter_into
+from lightning_yafsdp.core.collectives import WorkList, all_gather_into, reduce_scatter_into
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.tensor_tree import map_tensors, tensors_in
 from lightning_yafsdp.core.unit_state import UnitLifecycle, UnitState
@@ -49,24 +49,38 @@ class ShardedUnit(FlatParamGroup):
     Args:
         engine: the engine that owns the buffers and the schedule.
         index: position in module order; selects the weight and grad buffers.
-        module: the unit's module.
+        modules: the unit's modules: one block, or a root unit's modules (an
+            embedding, a head; several when a tied tensor joins them, each call
+            of any of them is one call of the unit).
+        is_block: a block the policy chose; False for a root unit ([Note: root
+            units]), whose views are dropped after each forward.
         **group_kwargs: see ``FlatParamGroup``.
     """
 
     def __init__(
-        self, engine: YaFSDPEngine, index: int, module: nn.Module, **group_kwargs: Any
+        self,
+        engine: YaFSDPEngine,
+        index: int,
+        modules: list[nn.Module],
+        *,
+        is_block: bool = True,
+        **group_kwargs: Any,
     ) -> None:
         super().__init__(**group_kwargs)
         self.engine = engine
         self.index = index
-        self.module = module
+        self.modules = modules
+        self.module = modules[0]
+        self.is_block = is_block
         self.weight_buffer = engine.weight_buffers[index % len(engine.weight_buffers)]
         self.grad_buffer = engine.grad_buffers[index % len(engine.grad_buffers)]
         self.life = UnitLifecycle(self.name)
-        self._hooks = [
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            module.register_forward_hook(self._post_forward, always_call=True),
-        ]
+        self._hooks = []
+        for module in modules:
+            self._hooks += [
+                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+                module.register_forward_hook(self._post_forward, always_call=True),
+            ]
         self._original_forward = None
 
     @property
@@ -108,15 +122,27 @@ class ShardedUnit(FlatParamGroup):
         engine = self.engine
         buffer.holder = self
         buffer.version = engine.compute_version
-        output = buffer.tensor[: self.layout.padded_numel]
+        padded = self.layout.padded_numel
+        pieces = [(buffer.tensor[:padded], self.compute_shard)]
+        if self.frozen_layout is not None:  # [Note: frozen shards] right after, no grads
+            frozen_end = padded + self.frozen_layout.padded_numel
+            pieces.append((buffer.tensor[padded:frozen_end], self.frozen_shard))
+
+        def launch(async_op: bool):
+            works = [
+                all_gather_into(
+                    out, shard, engine.group, async_op=async_op, stats=engine.comm_stats
+                )
+                for out, shard in pieces
+            ]
+            return WorkList(works) if async_op else None
+
         buffer.gather = engine.scheduler.issue(
             "gather",
             unit=self.name,
             slot=buffer.index,
-            tag=(self.index, self.layout.padded_numel),
-            launch=lambda async_op: all_gather_into(
-                output, self.compute_shard, engine.group, async_op=async_op, stats=engine.comm_stats
-            ),
+            tag=(self.index, padded),
+            launch=launch,
             after=buffer.release_event,  # condition 2
         )
         buffer.release_event = None
@@ -130,7 +156,7 @@ class ShardedUnit(FlatParamGroup):
     # -- forward ---------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        if module is not self.module:
+        if all(module is not own for own in self.modules):
             raise RuntimeError(
                 f"the forward of a deep copy of the sharded unit '{self.name}' was called: a "
                 "copy of a sharded model (copy.deepcopy, an EMA's AveragedModel) holds this "
@@ -146,6 +172,7 @@ class ShardedUnit(FlatParamGroup):
         engine = self.engine
         engine.begin_forward()
         engine.refuse_nested_call(self)
+        self.refuse_unfrozen()
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled and engine.inside_autograd_backward():
             # A reentrant checkpoint recomputes this unit inside the OUTER backward,
@@ -185,6 +212,12 @@ class ShardedUnit(FlatParamGroup):
             self.uninstall_views()
             return output
         self.life.fire("forward_done")
+        if not self.is_block:
+            # [Note: root units] Nothing recomputes a root unit without our hooks, and
+            # a later read of its weights (a head reading the embedding's weight) must
+            # not see whatever unit the buffer holds by then: the sharded parameter,
+            # which refuses to compute, is what such a read finds.
+            self.uninstall_views()
         # [Note: views outlive forward] After a grad-enabled forward the views
         # stay installed until the end of backward: activation checkpointing
         # may re-run the module's forward without our hooks (Hugging Face calls

@@ -125,7 +125,8 @@ class Materializer:
     def materialize(self, spec) -> None:
         """Give one flat group real, initialized tensors (``spec.params`` is updated)."""
         unit_module = self._unit_module_of.get(spec.name)
-        owner_modules = _unique([owner.module for owners in spec.owners for owner in owners])
+        every_owner = [*spec.owners, *spec.frozen_owners]
+        owner_modules = _unique([owner.module for owners in every_owner for owner in owners])
         fresh = []
         if unit_module is not None:
             fresh += self._allocate(list(unit_module.modules()))
@@ -135,10 +136,14 @@ class Materializer:
         self._initialize(fresh, targets)
         # Allocation replaced the Parameter objects: the group holds the new ones.
         spec.params = [owners[0].module._parameters[owners[0].attr] for owners in spec.owners]
+        spec.frozen_params = [
+            owners[0].module._parameters[owners[0].attr] for owners in spec.frozen_owners
+        ]
 
     def release(self, spec) -> None:
-        # The group now lives in the master shard: drop its full-size tensors at once.
-        for param in spec.params:
+        # The group now lives in the master shard (and the frozen store): drop its
+        # full-size tensors at once.
+        for param in (*spec.params, *spec.frozen_params):
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
 
     def materialize_rest(self, root: nn.Module) -> None:

@@ -2,8 +2,9 @@
 
 [Note: resident groups]
 Some parameters are used at scattered moments of the step rather than inside
-one block: norm weights (in every block and after the last one) and the
-parameters outside all blocks (embeddings, output head; the root remainder).
+one block: norm weights (in every block and after the last one) and the small
+parameters outside all blocks that are no root unit (position embeddings,
+poolers, a ``cls_token`` on the root: [Note: root units]; the root remainder).
 Each such group has a buffer of its own. Its weights are gathered ONCE after
 every optimizer step and stay resident; its grads accumulate in a full-size
 grad buffer during backward and are reduce-scattered ONCE, at the end of

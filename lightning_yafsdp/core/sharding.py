@@ -22,23 +22,18 @@ from lightning_yafsdp.core.collectives import CommStats, broadcast_
 from lightning_yafsdp.core.engine import YaFSDPEngine
 from lightning_yafsdp.core.flat_group import ParamOwner
 from lightning_yafsdp.core.grads import ShardGrads
+from lightning_yafsdp.core.group_spec import GroupSpec
 from lightning_yafsdp.core.layer import ShardedUnit
 from lightning_yafsdp.core.layout import FlatLayout
 from lightning_yafsdp.core.materialize import Materializer, draw_init_seed
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.resident import ResidentGroup
+from lightning_yafsdp.core.root_units import split_root
 from lightning_yafsdp.core.sharded_param import ShardedTensor
 
 NORM_GROUP = "<norms>"
 ROOT_GROUP = "<root>"
 CheckpointSpec = None | str | Sequence[int] | Callable[[int, str], bool]
-
-
-@dataclass
-class _GroupSpec:
-    name: str
-    params: list[nn.Parameter] = field(default_factory=list)
-    owners: list[list[ParamOwner]] = field(default_factory=list)
 
 
 def shard_model(
@@ -62,8 +57,10 @@ def shard_model(
     parameter under its original name as a sharded parameter (a ShardedTensor:
     full logical shape, this rank's piece of the flat master shard inside; see
     ``sharded_param.py``), so any optimizer and any param-group split work as on
-    the unsharded model. Frozen parameters (``requires_grad=False``) are not
-    sharded: they stay plain parameters, replicated on every rank.
+    the unsharded model. The units are the blocks and the large modules outside
+    them (embeddings, head: [Note: root units]). Frozen parameters
+    (``requires_grad=False``) of a unit are sharded too, without grads or optimizer
+    state ([Note: frozen shards]); frozen norms stay plain, replicated parameters.
 
     Args:
         module: a materialized model, identical on every rank (or pass
@@ -125,15 +122,15 @@ def shard_model(
     check_backend(str(dist.get_backend(group)), device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
-    unit_modules = _trainable_units(module, find_units(module, units), auto=units is None)
+    unit_modules = find_units(module, units)
     plan = _plan(module, unit_modules, norm_classes, world_size)
     unit_specs, norm_spec, root_spec, frozen = plan.specs
     _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
     unit_layouts = [layout for _, layout in plan.units]
     root_layout, norm_layout = plan.root, plan.norms
-    flat_groups = [*zip(unit_specs, unit_layouts, strict=True)]
+    flat_groups = [*zip(unit_specs, unit_layouts, plan.frozen, strict=True)]
     if root_layout is not None:
-        flat_groups.append((root_spec, root_layout))
+        flat_groups.append((root_spec, root_layout, None))
 
     # Master shards, filled one group at a time.
     stats = CommStats()
@@ -151,9 +148,12 @@ def shard_model(
         init=init_on,
     )
     if init_on is not None:
-        init_on.assign_unit_modules(unit_specs, unit_modules)
-    flat_shard = _build_master(flat_groups, **fill)
-    norm_shard = _build_master([(norm_spec, norm_layout)], **fill) if norm_layout else None
+        blocks = [spec for spec in unit_specs if spec.is_block]
+        init_on.assign_unit_modules(blocks, [(spec.name, spec.modules[0]) for spec in blocks])
+    flat_shard, frozen_store = _build_master(flat_groups, frozen_dtype=param_dtype, **fill)
+    norm_shard = None
+    if norm_layout is not None:
+        norm_shard, _ = _build_master([(norm_spec, norm_layout, None)], **fill)
 
     engine = YaFSDPEngine(
         module,
@@ -163,26 +163,30 @@ def shard_model(
         device=device,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
-        num_weight_buffers=2 if zero_stage == 3 else max(len(unit_specs), 1),
-        buffer_numel=max(layout.padded_numel for layout in unit_layouts),
-        buffer_shard_numel=max(layout.shard_numel for layout in unit_layouts),
+        buffer_sizes=_unit_buffer_sizes(plan, zero_stage),
         cast_forward_inputs=cast_forward_inputs,
     )
     engine.zero_stage = zero_stage
     engine.flat_shard, engine.norm_shard = flat_shard, norm_shard
+    engine.frozen_store = frozen_store
     engine.flat_compute = _compute_twin(flat_shard, param_dtype)
     engine.norm_compute = _compute_twin(norm_shard, param_dtype) if norm_shard is not None else None
     engine.unit_grads = ShardGrads(flat_shard, [])
     engine.norm_grads = ShardGrads(norm_shard, []) if norm_shard is not None else None
 
-    offset = 0
-    for index, ((spec, layout), (_, unit_module)) in enumerate(
-        zip(flat_groups, unit_modules, strict=False)
-    ):
-        engine.units.append(
-            ShardedUnit(
-                engine, index, unit_module, **_group_kwargs(spec, layout, engine, "flat", offset)
+    offset = frozen_offset = 0
+    for index, (spec, layout, frozen_layout) in enumerate(flat_groups[: len(unit_specs)]):
+        kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
+        if frozen_layout is not None:
+            end = frozen_offset + frozen_layout.shard_numel
+            kwargs.update(
+                frozen_layout=frozen_layout,
+                frozen_owners=spec.frozen_owners,
+                frozen_shard=frozen_store[frozen_offset:end],
             )
+            frozen_offset = end
+        engine.units.append(
+            ShardedUnit(engine, index, spec.modules, is_block=spec.is_block, **kwargs)
         )
         offset += layout.shard_numel
     if root_layout is not None:
@@ -213,12 +217,19 @@ class ShardingPlan:
     """The flat groups ``shard_model`` builds, before any tensor is touched.
 
     Attributes:
-        units: ``(name, layout)`` per unit, in module order.
-        root: layout of the root remainder (parameters outside units and norms).
+        units: ``(name, layout)`` per unit, in module order: the blocks and the root
+            units ([Note: root units]).
+        blocks: per unit, whether it is a block (False: a root unit).
+        frozen: per unit, the layout of its frozen parameters, or None
+            ([Note: frozen shards]).
+        root: layout of the resident root remainder (parameters outside units and
+            norms that stay resident), or None.
         norms: layout of the norm group.
     """
 
     units: list[tuple[str, FlatLayout]]
+    blocks: tuple[bool, ...]
+    frozen: list[FlatLayout | None]
     root: FlatLayout | None
     norms: FlatLayout | None
     specs: tuple = field(default=(), repr=False, compare=False)
@@ -232,52 +243,88 @@ def plan_layouts(
     Needs no process group and works on meta-device models: memory estimates
     (``yafsdp estimate``) use it so that they match the engine exactly.
     """
-    unit_modules = _trainable_units(module, find_units(module, units), auto=units is None)
+    unit_modules = find_units(module, units)
     return _plan(module, unit_modules, norm_classes, world_size)
 
 
-def _trainable_units(root: nn.Module, unit_modules, *, auto: bool):
-    """Auto-detected blocks that are wholly frozen are no units: they stay replicated.
+@dataclass(frozen=True)
+class BufferSizes:
+    """Element counts of the engine's buffers, per slot.
 
-    Units named by the user, and those of a model with nothing trainable at all, are
-    kept as given: ``_plan`` refuses them with the message that fits.
+    Unit ``i`` uses weight slot ``i % len(weights)`` and grad slot ``i % 2``; each
+    slot is sized to the largest unit using it, not to the largest unit overall
+    (a large embedding on slot 0 does not grow slot 1; ZeRO-2's per-unit buffers
+    are each their own unit's size).
     """
-    if not auto or not any(p.requires_grad for p in root.parameters()):
-        return unit_modules
-    kept = [(n, m) for n, m in unit_modules if any(p.requires_grad for p in m.parameters())]
-    if not kept:
-        names = [name for name, _ in unit_modules]
-        raise ValueError(
-            f"every auto-detected block ({names[:3]}...) has no trainable parameters "
-            "(requires_grad=False), so "
-            "there is nothing to shard one block at a time. Unfreeze some blocks, or pass "
-            "units= naming modules that hold trainable parameters."
-        )
-    return kept
+
+    weights: list[int]
+    grads: list[int]
+    grad_shards: list[int]
+
+
+def buffer_sizes(
+    gathered: list[int], padded: list[int], shards: list[int], zero_stage: int
+) -> BufferSizes:
+    """Slot sizes from per-unit element counts, in unit order.
+
+    ``gathered``: what a unit's gather writes (trainable padded + frozen padded);
+    ``padded`` / ``shards``: its trainable padded and shard numel (the grads).
+    """
+
+    def per_slot(sizes: list[int], slots: int) -> list[int]:
+        return [max(sizes[k::slots], default=0) for k in range(slots)]
+
+    weight_slots = 2 if zero_stage == 3 else max(len(gathered), 1)
+    return BufferSizes(per_slot(gathered, weight_slots), per_slot(padded, 2), per_slot(shards, 2))
+
+
+def _unit_buffer_sizes(plan: ShardingPlan, zero_stage: int) -> BufferSizes:
+    padded = [layout.padded_numel for _, layout in plan.units]
+    frozen = [f.padded_numel if f is not None else 0 for f in plan.frozen]
+    gathered = [p + f for p, f in zip(padded, frozen, strict=True)]
+    return buffer_sizes(
+        gathered, padded, [layout.shard_numel for _, layout in plan.units], zero_stage
+    )
 
 
 def _plan(module, unit_modules, norm_classes, world_size) -> ShardingPlan:
-    unit_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
-    if not any(spec.params for spec in (*unit_specs, norm_spec, root_spec)):
+    block_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
+    if not any(spec.params for spec in (*block_specs, norm_spec, root_spec)):
         raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
-    empty = [spec.name for spec in unit_specs if not spec.params]
+    empty = [spec.name for spec in block_specs if not spec.numel()]
     if empty:
-        raise ValueError(
-            f"units {empty} have no trainable parameters to shard; leave them out of units="
-        )
+        raise ValueError(f"units {empty} hold no parameters to shard; leave them out of units=")
+    root_units, root_spec = split_root(module, unit_modules, root_spec)
+    unit_specs = _in_module_order(module, [*block_specs, *root_units])
 
-    def layout_of(spec: _GroupSpec) -> FlatLayout | None:
-        if not spec.params:
+    def layout_of(params: list[nn.Parameter], owners) -> FlatLayout:
+        names = [group[0].name for group in owners]
+        return FlatLayout(names, [p.shape for p in params], world_size)
+
+    def frozen_layout_of(spec: GroupSpec) -> FlatLayout | None:
+        if not spec.frozen_params:
             return None
-        names = [owners[0].name for owners in spec.owners]
-        return FlatLayout(names, [p.shape for p in spec.params], world_size)
+        return layout_of(spec.frozen_params, spec.frozen_owners)
 
     return ShardingPlan(
-        units=[(spec.name, layout_of(spec)) for spec in unit_specs],
-        root=layout_of(root_spec),
-        norms=layout_of(norm_spec),
+        # A unit with only frozen parameters has an empty trainable layout (padding only).
+        units=[(spec.name, layout_of(spec.params, spec.owners)) for spec in unit_specs],
+        blocks=tuple(spec.is_block for spec in unit_specs),
+        frozen=[frozen_layout_of(spec) for spec in unit_specs],
+        root=layout_of(root_spec.params, root_spec.owners) if root_spec.params else None,
+        norms=layout_of(norm_spec.params, norm_spec.owners) if norm_spec.params else None,
         specs=(unit_specs, norm_spec, root_spec, frozen),
     )
+
+
+def _in_module_order(root: nn.Module, specs: list[GroupSpec]) -> list[GroupSpec]:
+    """Units sorted by where their first module appears in ``root.named_modules()``.
+
+    Module order is the order prefetching assumes (unit i+1 is gathered while
+    unit i computes); for the usual embedding, blocks, head it is the call order.
+    """
+    position = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+    return sorted(specs, key=lambda spec: min(position[id(m)] for m in spec.modules))
 
 
 def get_engine(module: nn.Module) -> YaFSDPEngine:
@@ -326,11 +373,11 @@ def check_backend(backend: str, device: torch.device) -> None:
         )
 
 
-def _refuse_hidden_aliases(root: nn.Module, specs: list[_GroupSpec]) -> None:
+def _refuse_hidden_aliases(root: nn.Module, specs: list[GroupSpec]) -> None:
     # A module attribute that holds a trainable parameter outside ``_parameters``
     # (object.__setattr__(self, "ref", other.weight)) would keep the full original after
     # sharding: never trained, silently stale. Registered aliases (tied weights) are fine.
-    sharded = {id(p) for spec in specs for p in spec.params}
+    sharded = {id(p) for spec in specs for p in (*spec.params, *spec.frozen_params)}
     for module_name, sub in root.named_modules():
         for attr, value in vars(sub).items():
             if isinstance(value, nn.Parameter) and id(value) in sharded:
@@ -362,14 +409,11 @@ def _assign_params(root, unit_modules, norm_classes):
             owners_of[id(param)].append(ParamOwner(sub, attr, name))
             params[id(param)] = param
 
-    unit_specs = [_GroupSpec(name) for name, _ in unit_modules]
-    norm_spec, root_spec = _GroupSpec(NORM_GROUP), _GroupSpec(ROOT_GROUP)
+    unit_specs = [GroupSpec(name, modules=[m]) for name, m in unit_modules]
+    norm_spec, root_spec = GroupSpec(NORM_GROUP), GroupSpec(ROOT_GROUP)
     frozen: list[tuple[nn.Parameter, list[ParamOwner]]] = []
     for key, owners in owners_of.items():
         param = params[key]
-        if not param.requires_grad:
-            frozen.append((param, owners))
-            continue
         homes = set()
         for owner in owners:
             if is_norm_module(owner.module, norm_classes):
@@ -378,6 +422,16 @@ def _assign_params(root, unit_modules, norm_classes):
                 homes.add(unit_of_module[id(owner.module)])
             else:
                 homes.add(ROOT_GROUP)
+        if not param.requires_grad:
+            # [Note: frozen shards] A frozen tensor of one unit (or of the root, which
+            # may become a root unit) is sharded with it; norms, ties across groups
+            # and integer tensors stay plain, replicated parameters.
+            home = homes.pop() if len(homes) == 1 else NORM_GROUP
+            if home == NORM_GROUP or not param.is_floating_point():
+                frozen.append((param, owners))
+            else:
+                (root_spec if home == ROOT_GROUP else unit_specs[home]).add(param, owners)
+            continue
         if len(homes) > 1:
             names = [owner.name for owner in owners]
             raise ValueError(
@@ -394,8 +448,7 @@ def _assign_params(root, unit_modules, norm_classes):
             if home == ROOT_GROUP
             else unit_specs[home]
         )
-        spec.params.append(param)
-        spec.owners.append(owners)
+        spec.add(param, owners)
     return unit_specs, norm_spec, root_spec, frozen
 
 
@@ -403,24 +456,42 @@ def _assign_params(root, unit_modules, norm_classes):
 
 
 @torch.no_grad()
-def _build_master(groups, *, rank, group, sync, stats, device, dtype, init) -> torch.Tensor:
-    total = sum(layout.shard_numel for _, layout in groups)
+def _build_master(
+    groups, *, rank, group, sync, stats, device, dtype, init, frozen_dtype=None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fill the master shard (and, for units, the frozen store) one group at a time.
+
+    ``groups``: ``(spec, layout, frozen_layout or None)``. Returns the master shard in
+    ``dtype`` and the frozen store in ``frozen_dtype`` (None when nothing is frozen).
+    """
+    total = sum(layout.shard_numel for _, layout, _ in groups)
+    frozen_total = sum(f.shard_numel for _, _, f in groups if f is not None)
     master = torch.empty(total, dtype=dtype, device=device)
-    offset = 0
-    for spec, layout in groups:
+    frozen = torch.empty(frozen_total, dtype=frozen_dtype, device=device) if frozen_total else None
+    offset = frozen_offset = 0
+    fill = dict(rank=rank, group=group, sync=sync, stats=stats)
+    for spec, layout, frozen_layout in groups:
         if init is not None:
             init.materialize(spec)
-        flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        for span, param in zip(layout.spans, spec.params, strict=True):
-            flat[span.offset : span.end].copy_(param.detach().reshape(-1))
-        if sync:
-            broadcast_(flat, group, src_rank=0, stats=stats)
-        start, end = layout.shard_range(rank)
-        master[offset : offset + layout.shard_numel].copy_(flat[start:end])
+        _fill_shard(master[offset : offset + layout.shard_numel], spec.params, layout, **fill)
         offset += layout.shard_numel
+        if frozen_layout is not None:
+            end = frozen_offset + frozen_layout.shard_numel
+            _fill_shard(frozen[frozen_offset:end], spec.frozen_params, frozen_layout, **fill)
+            frozen_offset = end
         if init is not None:
             init.release(spec)
-    return master
+    return master, frozen
+
+
+def _fill_shard(out: torch.Tensor, params, layout: FlatLayout, *, rank, group, sync, stats) -> None:
+    flat = torch.zeros(layout.padded_numel, dtype=out.dtype, device=out.device)
+    for span, param in zip(layout.spans, params, strict=True):
+        flat[span.offset : span.end].copy_(param.detach().reshape(-1))
+    if sync:
+        broadcast_(flat, group, src_rank=0, stats=stats)
+    start, end = layout.shard_range(rank)
+    out.copy_(flat[start:end])
 
 
 @torch.no_grad()
@@ -475,6 +546,7 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
     hooked: set[int] = set()
     for group in engine.groups():
         group.make_sharded_params(engine.rank, engine.group)
+        group.make_frozen_params(engine.rank, engine.group)
         group.register_sharded_params()
     for grads, groups in engine.grads_by_master():
         grads.params = [
@@ -512,17 +584,19 @@ def _module_path_prefixes(param_name: str) -> list[str]:
 def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) -> None:
     if spec is None:
         return
+    # Indices count blocks only: root units (embeddings, head) are never recomputed.
+    blocks = engine.blocks()
     if spec == "all":
-        chosen = list(engine.units)
+        chosen = blocks
     elif callable(spec):
-        chosen = [u for u in engine.units if spec(u.index, u.name)]
+        chosen = [u for i, u in enumerate(blocks) if spec(i, u.name)]
     elif isinstance(spec, (list, tuple, range)):
-        bad = [i for i in spec if not 0 <= i < len(engine.units)]
+        bad = [i for i in spec if not 0 <= i < len(blocks)]
         if bad:
             raise ValueError(
-                f"activation_checkpointing indices {bad} out of range 0..{len(engine.units) - 1}"
+                f"activation_checkpointing indices {bad} out of range 0..{len(blocks) - 1}"
             )
-        chosen = [engine.units[i] for i in spec]
+        chosen = [blocks[i] for i in spec]
     else:
         raise ValueError(
             f"activation_checkpointing must be None, 'all', indices or a predicate; got {spec!r}"

@@ -56,13 +56,14 @@ def estimate_table(est: Estimate, *, title: str = "memory per rank") -> Table:
         ("gradient shards", est.grad_shards),
         ("optimizer states (AdamW)", est.optimizer_states),
         ("compute shards", est.compute_shards),
+        ("frozen shards", est.frozen_shards),
         ("unit weight buffers", est.weight_buffers),
         ("unit grad buffers", est.grad_buffers),
         ("resident groups (root, norms)", est.resident_buffers),
         ("activations, no checkpointing", est.activations(0)),
-        ("activations, all units checkpointed", est.activations(len(est.units))),
+        ("activations, all blocks checkpointed", est.activations(est.num_blocks)),
         (
-            f"activations, {est.checkpointed_units} unit(s) checkpointed (recipe)",
+            f"activations, {est.checkpointed_units} block(s) checkpointed (recipe)",
             est.activations(est.checkpointed_units),
         ),
         ("total (recipe)", est.total),
@@ -91,17 +92,19 @@ def startup_panel(
     facts.add_column(style="bold cyan")
     facts.add_column()
     largest = max(est.units, key=lambda g: g.padded_numel)
+    shards = est.master_shards + est.grad_shards + est.compute_shards + est.frozen_shards
     facts.add_row("model", f"{model_name}: {human_count(est.num_parameters)} parameters")
     facts.add_row(
         "units",
-        f"{len(est.units)} sharded units (largest {human_count(largest.numel)} elements) + "
+        f"{est.num_blocks} blocks + {len(est.units) - est.num_blocks} root units, sharded "
+        f"(largest {human_count(largest.numel)} elements) + "
         f"{', '.join(g.name for g in est.residents)} resident",
     )
     facts.add_row("world", f"{world_size} rank(s), strategy {strategy}, ZeRO-{est.zero_stage}")
     facts.add_row("precision", precision)
     facts.add_row(
         "per rank",
-        f"shards {human_bytes(est.master_shards + est.grad_shards + est.compute_shards)}"
+        f"shards {human_bytes(shards)}"
         f" + optimizer {human_bytes(est.optimizer_states)}"
         f" + buffers {human_bytes(est.weight_buffers + est.grad_buffers + est.resident_buffers)}"
         f" + activations {human_bytes(est.activations(est.checkpointed_units))}"
