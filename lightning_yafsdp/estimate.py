@@ -9,7 +9,9 @@ backward: an approximation, to be compared with measurements (benchmarks).
 
 [Note: estimate formulas] Per rank, ZeRO-3, P/R/M = param/reduce/master dtype bytes:
   master shards   = sum(shard numel of every group) x M
-  compute shards  = same numel x P, only when P != M (else the master is gathered)
+  compute shards  = the norm group's shard numel x P, only when P != M (units have no
+                    twin: [Note: cast on gather])
+  gather staging  = when P != M: per grad slot (2) the largest unit shard, x P
   frozen shards   = sum(frozen shard numel of every unit) x P
   grad shards     = master shards
   optimizer       = 2 x master shards (AdamW exp_avg, exp_avg_sq)
@@ -20,7 +22,8 @@ backward: an approximation, to be compared with measurements (benchmarks).
 Units are the blocks and the root units (embeddings, head: [Note: root units]).
 Communication per micro-batch (bytes of the gathered/unreduced tensor, as
 ``engine.comm_stats`` counts them; a ring moves (W-1)/W of that per rank):
-  all_gather      = units forward + (ZeRO-3) units but the last two in backward
+  all_gather      = units forward + (ZeRO-3) units but the last two in backward, plain
+                    embeddings excepted ([Note: weightless backward])
                     (a tied embedding/head unit is gathered once per call: counted once)
   reduce_scatter  = every group, once per backward
   all_reduce      = one byte per parameter, once per backward (which got a grad anywhere)
@@ -56,6 +59,7 @@ class GroupSize:
     shard_numel: int
     num_params: int = 0
     is_block: bool = True  # False: a root unit (embedding, head) or a resident group
+    backward_reads_weights: bool = True  # False: plain embeddings, not re-gathered (ZeRO-3)
     frozen_padded_numel: int = 0  # a unit's frozen parameters ([Note: frozen shards])
     frozen_shard_numel: int = 0
 
@@ -78,6 +82,7 @@ class Estimate:
     residents: list[GroupSize]
     master_shards: int = 0
     compute_shards: int = 0
+    gather_staging: int = 0
     frozen_shards: int = 0
     grad_shards: int = 0
     optimizer_states: int = 0
@@ -99,6 +104,7 @@ class Estimate:
         return {
             "master_shards": self.master_shards,
             "compute_shards": self.compute_shards,
+            "gather_staging": self.gather_staging,
             "frozen_shards": self.frozen_shards,
             "grad_shards": self.grad_shards,
             "weight_buffers": self.weight_buffers,
@@ -152,7 +158,7 @@ def group_sizes(
     """
     plan = plan_layouts(model, world_size=world_size, units=units, norm_classes=norm_classes)
 
-    def size(name, layout, *, is_block=False, frozen=None) -> GroupSize:
+    def size(name, layout, *, is_block=False, frozen=None, reads=True) -> GroupSize:
         return GroupSize(
             name,
             layout.numel,
@@ -160,6 +166,7 @@ def group_sizes(
             layout.shard_numel,
             len(layout.spans),
             is_block=is_block,
+            backward_reads_weights=reads,
             frozen_padded_numel=frozen.padded_numel if frozen is not None else 0,
             frozen_shard_numel=frozen.shard_numel if frozen is not None else 0,
         )
@@ -170,8 +177,10 @@ def group_sizes(
         if layout is not None
     ]
     unit_sizes = [
-        size(name, layout, is_block=block, frozen=frozen)
-        for (name, layout), block, frozen in zip(plan.units, plan.blocks, plan.frozen, strict=True)
+        size(name, layout, is_block=block, frozen=frozen, reads=reads)
+        for (name, layout), block, frozen, reads in zip(
+            plan.units, plan.blocks, plan.frozen, plan.backward_reads_weights, strict=True
+        )
     ]
     return unit_sizes, residents
 
@@ -211,7 +220,10 @@ def estimate(
     )
     shard_numel = sum(g.shard_numel for g in (*units, *residents))
     est.master_shards = shard_numel * m
-    est.compute_shards = shard_numel * p if p != m else 0
+    # [Note: cast on gather] Only the norm group keeps a compute twin; units cast into
+    # two shard-sized staging tensors before each gather.
+    norm_shard = sum(g.shard_numel for g in residents if g.name == NORM_GROUP)
+    est.compute_shards = norm_shard * p if p != m else 0
     est.frozen_shards = sum(g.frozen_shard_numel for g in units) * p
     est.grad_shards = est.master_shards
     est.optimizer_states = 2 * est.master_shards
@@ -222,13 +234,20 @@ def estimate(
         [g.shard_numel for g in units],
         config.strategy.zero_stage,
     )
+    est.gather_staging = sum(slots.grad_shards) * p if p != m else 0
     est.weight_buffers = sum(slots.weights) * p
     est.grad_buffers = (sum(slots.grads) + sum(slots.grad_shards)) * r
     est.resident_buffers = sum(
         g.padded_numel * p + (g.padded_numel + g.shard_numel) * r for g in residents
     )
 
-    regathered = gathered[:-2] if config.strategy.zero_stage == 3 else []
+    regathered = [
+        numel
+        for numel, g in zip(gathered[:-2], units[:-2], strict=True)
+        if g.backward_reads_weights
+    ]
+    if config.strategy.zero_stage != 3:
+        regathered = []
     est.all_gather_per_micro_batch = (sum(gathered) + sum(regathered)) * p
     est.all_gather_per_step = sum(g.padded_numel for g in residents) * p
     est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r

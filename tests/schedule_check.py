@@ -56,6 +56,19 @@ def four_condition_violations(
             if event.op == "backward_end":
                 in_backward.discard(unit)
                 backward_done.add(unit)
+        elif event.op == "backward_start_weightless":
+            # [Note: weightless backward] an embedding's backward reads no weights:
+            # condition 1 does not apply, condition 3 does.
+            pending = unwaited_reduce.get(grad_slot)
+            if pending is not None:
+                violations.append(
+                    f"condition 3: {where} before the reduce_scatter of '{pending}' finished"
+                )
+            in_backward.add(unit)
+            backward_done.discard(unit)
+        elif event.op == "backward_end_weightless":
+            in_backward.discard(unit)
+            backward_done.add(unit)
         elif event.op == "reduce_scatter_issue":
             if unit in in_backward or unit not in backward_done:
                 violations.append(f"condition 4: {where} before its backward finished")

@@ -379,7 +379,7 @@ def _fit(pattern: str, strategy, *, rank_dependent: bool = False) -> dict:
     facts["retries"] = model.retries
     facts["seconds"] = time.monotonic() - started
     if isinstance(trainer.strategy, YaFSDPStrategy):
-        facts["units"] = [unit.name for unit in trainer.strategy.engine.units]
+        facts["units"] = [unit.name for unit in trainer.strategy.engine.blocks()]
     return facts
 
 
@@ -438,7 +438,7 @@ def _t5_units() -> dict:
         trainer.fit(model, zoo_loader("t5", 4))
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc()}
-    return {"error": None, "units": [unit.name for unit in trainer.strategy.engine.units]}
+    return {"error": None, "units": [unit.name for unit in trainer.strategy.engine.blocks()]}
 
 
 # -- judging ---------------------------------------------------------------------------------

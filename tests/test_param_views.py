@@ -33,9 +33,12 @@ from tests.param_view_models import (
 # 2 ranks, round-off on 3. Measured on 3 ranks: losses 1.9e-7 relative, clip and grad
 # norms 1.6e-7 relative, weights (of order 0.1-1) 6.4e-7 absolute, 2.3e-6 on the HF Llama
 # (AdamW divides by sqrt(v), which turns round-off in small grads into larger steps).
+# Since the embedding and head are units the meta init draws other weights; with them one
+# element of layers.1.fc1.bias, whose first grads are 5e-8 and 4e-5 (agreeing with DDP to
+# 9e-10 and 5e-8), ends 1.12e-5 off: AdamW's m/sqrt(v) turns that 0.1% into 0.1% of lr.
 LOSS_RTOL = 1e-6
 NORM_RTOL = 1e-6
-WEIGHT_ATOL = 1e-5
+WEIGHT_ATOL = 2e-5
 
 VARIANTS = {
     "by_module": Variant(groups="by_module"),

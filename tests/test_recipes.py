@@ -64,7 +64,8 @@ def test_finetune_hf_recipe_builds_a_local_hf_model_without_network(tmp_path: Pa
     overrides = [f"model.hf_path={tmp_path}", "model.pretrained=false", "data.seq_len=64"]
     config = load_config("finetune-hf", overrides)
     est = estimate(config, world_size=2)
-    assert len(est.units) == 4 and est.num_parameters == 229_952  # same shape as ours
+    # Four blocks plus the embedding and the head (root units); same shape as ours.
+    assert est.num_blocks == 4 and len(est.units) == 6 and est.num_parameters == 229_952
     with torch.device("meta"):
         model = build_model(config)
     block = model.model.layers[0].to_empty(device="cpu")

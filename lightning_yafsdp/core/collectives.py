@@ -95,6 +95,28 @@ def reduce_scatter_into(
     )
 
 
+def check_reduce_dtype(group: ProcessGroup, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a one-line error if ``group``'s backend cannot reduce_scatter ``dtype``.
+
+    One tiny collective, at sharding time, instead of a backend error in the first
+    backward. fp32 needs no check.
+    """
+    if dtype == torch.float32:
+        return
+    world = dist.get_world_size(group)
+    full = torch.ones(world, dtype=dtype, device=device)
+    out = torch.empty(1, dtype=dtype, device=device)
+    try:
+        _reduce_scatter_single(out, full, op=ReduceOp.SUM, group=group)
+    except (RuntimeError, ValueError) as error:
+        backend = dist.get_backend(group)
+        raise ValueError(
+            f"reduce_dtype={dtype} is not supported by the '{backend}' backend's "
+            f"reduce_scatter ({type(error).__name__}: {str(error).splitlines()[0]}); "
+            "use reduce_dtype=torch.float32"
+        ) from error
+
+
 def all_reduce_(
     tensor: torch.Tensor, group: ProcessGroup, *, op: ReduceOp = ReduceOp.SUM, stats: CommStats
 ) -> None:

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ProcessGroup, ReduceOp
 
-from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
+from lightning_yafsdp.core.buffers import GatherStaging, GradBuffer, WeightBuffer
 from lightning_yafsdp.core.collectives import CommStats, all_gather_into, all_reduce_
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.grads import ShardGrads
@@ -103,6 +103,8 @@ class YaFSDPEngine:
         self.norm_shard: torch.Tensor | None = None
         self.flat_compute: torch.Tensor | None = None
         self.norm_compute: torch.Tensor | None = None
+        # Set by shard_model under mixed precision ([Note: cast on gather]).
+        self.gather_staging: GatherStaging | None = None
         # Every unit's frozen parameters, sharded, in the compute dtype ([Note: frozen shards]).
         self.frozen_store: torch.Tensor | None = None
         self.unit_grads: ShardGrads | None = None
@@ -242,6 +244,8 @@ class YaFSDPEngine:
             self._refresh_compute_shards()
         for group in self.residents:
             group.ensure_views()
+        for unit in self.units:
+            unit.expose_placeholders()  # root units only ([Note: ungathered weights])
 
     def prefetch_next(self, unit: ShardedUnit) -> None:
         """Start gathering the unit after ``unit`` (module order) while ``unit`` computes."""
@@ -252,7 +256,7 @@ class YaFSDPEngine:
         """In backward: start gathering the unit before ``unit`` if it awaits its backward."""
         if unit.index > 0:
             previous = self.units[unit.index - 1]
-            if previous.life.awaits_backward:
+            if previous.life.awaits_backward and previous.backward_reads_weights:
                 previous.prefetch()
 
     def refuse_nested_call(self, unit: ShardedUnit) -> None:
@@ -397,7 +401,11 @@ class YaFSDPEngine:
             (self.flat_shard, self.flat_compute),
             (self.norm_shard, self.norm_compute),
         ):
-            if master is not None and compute.data_ptr() != master.data_ptr():
+            if (
+                master is not None
+                and compute is not None
+                and compute.data_ptr() != master.data_ptr()
+            ):
                 compute.copy_(master)
         self.compute_version += 1
         self._weights_stale = False
@@ -513,6 +521,7 @@ class YaFSDPEngine:
                 for c, m in zip(computes, masters, strict=True)
                 if c is not None and c.data_ptr() != m.data_ptr()
             ),
+            "gather_staging": self.gather_staging.nbytes if self.gather_staging else 0,
             "frozen_shards": nbytes(self.frozen_store),
             "grad_shards": sum(nbytes(g.window()) for g in self._all_grads()),
             "weight_buffers": sum(b.nbytes for b in self.weight_buffers),

@@ -69,16 +69,24 @@ class ShardGrads:
                 _refuse_replaced_grad(param)
 
     def add(self, start: int, end: int, reduced: torch.Tensor, divide_factor: float) -> None:
-        """Add one reduced shard (a sum over ranks) into elements ``[start, end)``."""
-        reduced.div_(divide_factor)
+        """Add one reduced shard (a sum over ranks) into elements ``[start, end)``.
+
+        A reduced shard in a narrower dtype (``reduce_dtype=torch.bfloat16``) is
+        widened to the window's dtype first and divided there, so accumulation
+        across micro-batches happens in the master dtype.
+        """
+        window = self._fresh if self._fresh is not None else self._live()
+        target = window[start:end]
+        first = self._fresh is not None and (start, end) not in self._written
+        if reduced.dtype == window.dtype:
+            reduced.div_(divide_factor)
+            target.copy_(reduced) if first else target.add_(reduced)
+        elif first:
+            target.copy_(reduced).div_(divide_factor)
+        else:
+            target.add_(reduced, alpha=1.0 / divide_factor)
         if self._fresh is not None:
-            if (start, end) not in self._written:
-                self._fresh[start:end].copy_(reduced)
-                self._written.add((start, end))
-            else:
-                self._fresh[start:end].add_(reduced)
-            return
-        self._live()[start:end].add_(reduced)
+            self._written.add((start, end))
 
     def abandon_backward(self) -> None:
         """A backward raised before its end: drop what it accumulated in a fresh window."""

@@ -34,6 +34,7 @@ from torch import nn
 from lightning_yafsdp.core.autograd import GateGradFlow, PreBackwardGate
 from lightning_yafsdp.core.collectives import WorkList, all_gather_into, reduce_scatter_into
 from lightning_yafsdp.core.flat_group import FlatParamGroup
+from lightning_yafsdp.core.placeholder import UngatheredWeight
 from lightning_yafsdp.core.tensor_tree import map_tensors, tensors_in
 from lightning_yafsdp.core.unit_state import UnitLifecycle, UnitState
 
@@ -72,6 +73,13 @@ class ShardedUnit(FlatParamGroup):
         self.modules = modules
         self.module = modules[0]
         self.is_block = is_block
+        # [Note: weightless backward] nn.Embedding's backward reads the indices and the
+        # output grad, never the weight: a unit made only of plain embeddings (the usual
+        # first root unit) is not re-gathered for its backward (ZeRO-3 saves one
+        # embedding-sized all_gather per step). Subclasses may override forward: they
+        # are re-gathered as any unit.
+        # (ShardingPlan.backward_reads_weights applies the same rule, for estimates.)
+        self.backward_reads_weights = not all(type(m) is nn.Embedding for m in modules)
         self.weight_buffer = engine.weight_buffers[index % len(engine.weight_buffers)]
         self.grad_buffer = engine.grad_buffers[index % len(engine.grad_buffers)]
         self.life = UnitLifecycle(self.name)
@@ -82,6 +90,7 @@ class ShardedUnit(FlatParamGroup):
                 module.register_forward_hook(self._post_forward, always_call=True),
             ]
         self._original_forward = None
+        self._placeholders: list | None = None  # root units: built at first use
 
     @property
     def state(self) -> UnitState:
@@ -89,6 +98,9 @@ class ShardedUnit(FlatParamGroup):
 
     @property
     def is_computing(self) -> bool:
+        """Whether the unit computes with its weight buffer now (the buffer is in use)."""
+        if self.life.state is UnitState.BACKWARD and not self.backward_reads_weights:
+            return False  # [Note: weightless backward]
         return self.life.computing
 
     # -- gathering -------------------------------------------------------------
@@ -123,7 +135,13 @@ class ShardedUnit(FlatParamGroup):
         buffer.holder = self
         buffer.version = engine.compute_version
         padded = self.layout.padded_numel
-        pieces = [(buffer.tensor[:padded], self.compute_shard)]
+        source, after = self.compute_shard, buffer.release_event  # condition 2
+        if source is None:
+            # [Note: cast on gather] The cast runs on the compute stream after the
+            # release point, so a marker after it orders the gather after both.
+            source = engine.gather_staging.stage(self.index % 2, self.master_shard)
+            after = engine.scheduler.compute_marker()
+        pieces = [(buffer.tensor[:padded], source)]
         if self.frozen_layout is not None:  # [Note: frozen shards] right after, no grads
             frozen_end = padded + self.frozen_layout.padded_numel
             pieces.append((buffer.tensor[padded:frozen_end], self.frozen_shard))
@@ -143,12 +161,17 @@ class ShardedUnit(FlatParamGroup):
             slot=buffer.index,
             tag=(self.index, padded),
             launch=launch,
-            after=buffer.release_event,  # condition 2
+            after=after,
         )
         buffer.release_event = None
+        if self.compute_shard is None:
+            engine.gather_staging.readers[self.index % 2] = buffer.gather
 
     def _release_weights(self, note: str) -> None:
         """The unit stops computing with its weight buffer (condition 2's release point)."""
+        if note == "backward_end" and not self.backward_reads_weights:
+            self.engine.scheduler.note("backward_end_weightless", self.name, None)
+            return  # it never took the buffer for its backward
         buffer = self.weight_buffer
         buffer.release_event = self.engine.scheduler.compute_marker()
         self.engine.scheduler.note(note, self.name, buffer.index)
@@ -210,14 +233,16 @@ class ShardedUnit(FlatParamGroup):
             # A pending backward does not need these attributes: pre_backward installs
             # fresh views ([Note: fresh views for recomputation]).
             self.uninstall_views()
+            self.expose_placeholders()
             return output
         self.life.fire("forward_done")
         if not self.is_block:
             # [Note: root units] Nothing recomputes a root unit without our hooks, and
             # a later read of its weights (a head reading the embedding's weight) must
-            # not see whatever unit the buffer holds by then: the sharded parameter,
-            # which refuses to compute, is what such a read finds.
+            # not see whatever unit the buffer holds by then: it finds an
+            # UngatheredWeight, which refuses to compute ([Note: ungathered weights]).
             self.uninstall_views()
+            self.expose_placeholders()
         # [Note: views outlive forward] After a grad-enabled forward the views
         # stay installed until the end of backward: activation checkpointing
         # may re-run the module's forward without our hooks (Hugging Face calls
@@ -242,8 +267,16 @@ class ShardedUnit(FlatParamGroup):
         engine.enter_backward()
         if state is not UnitState.BACKWARD_PAUSED:
             self._claim_grad_buffer()
+        if not self.backward_reads_weights:
+            self.life.fire("pre_backward")
+            engine.scheduler.note("backward_start_weightless", self.name, None)
+            return
         self._ensure_gathered()
         self.life.fire("pre_backward")
+        if not self.is_block:  # root units are never recomputed: their saved views suffice
+            engine.scheduler.note("backward_start", self.name, self.weight_buffer.index)
+            engine.prefetch_previous(self)
+            return
         # [Note: fresh views for recomputation] Recomputation in this backward reads
         # the module attributes. Views of the forward's gated buffer would tie a
         # reentrant checkpoint's NESTED backward to the outer graph (through
@@ -341,9 +374,35 @@ class ShardedUnit(FlatParamGroup):
         self.module.forward = checkpointed_forward
 
     def end_iteration(self) -> None:
-        if self.life.state is not UnitState.IDLE:
+        if self.life.state is not UnitState.IDLE or not self.is_block:
             self.uninstall_views()
         self.life.fire("end_iteration")
+
+    def expose_placeholders(self) -> None:
+        """A root unit not gathered now: its weight attributes tell shape and compute dtype.
+
+        [Note: ungathered weights] Installed while a forward is under way (from the
+        engine's ``begin_forward`` and after the unit's own forward), removed at the
+        end of the iteration. Blocks keep their views ([Note: views outlive forward]).
+        """
+        if self.is_block:
+            return
+        if self._placeholders is None:
+            self._placeholders = self._make_placeholders()
+        for owner, placeholder in self._placeholders:
+            owner.module.__dict__.setdefault(owner.attr, placeholder)
+
+    def _make_placeholders(self) -> list:
+        dtype, device = self.weight_buffer.tensor.dtype, self.weight_buffer.tensor.device
+        placed = [(self.layout, self.owners)]
+        if self.frozen_layout is not None:
+            placed.append((self.frozen_layout, self.frozen_owners))
+        return [
+            (owner, UngatheredWeight(span.name, self.name, span.shape, dtype, device))
+            for layout, owners_list in placed
+            for span, owners in zip(layout.spans, owners_list, strict=True)
+            for owner in owners
+        ]
 
     def abandon_iteration(self) -> None:
         """The backward raised: back to IDLE from wherever it stopped."""

@@ -42,7 +42,7 @@ class ResidentGroup(FlatParamGroup):
         super().__init__(**group_kwargs)
         self.engine = engine
         self.grads = grads
-        device = self.compute_shard.device
+        device = self.master_shard.device
         self.weight_buffer = WeightBuffer(
             -1, self.layout.padded_numel, dtype=engine.param_dtype, device=device
         )
@@ -66,6 +66,12 @@ class ResidentGroup(FlatParamGroup):
         buffer = self.weight_buffer
         if not buffer.holds(self, version):
             buffer.holder, buffer.version = self, version
+            # [Note: cast on gather] Without a compute twin, a cast copy of the shard
+            # (small, once per optimizer step) is the gather source.
+            source, after = self.compute_shard, None
+            if source is None:
+                source = self.master_shard.to(engine.param_dtype)
+                after = engine.scheduler.compute_marker()  # the gather reads the cast
             pending = engine.scheduler.issue(
                 "gather",
                 unit=self.name,
@@ -73,12 +79,12 @@ class ResidentGroup(FlatParamGroup):
                 tag=(self.guard_index, self.layout.padded_numel),
                 launch=lambda async_op: all_gather_into(
                     buffer.tensor,
-                    self.compute_shard,
+                    source,
                     engine.group,
                     async_op=async_op,
                     stats=engine.comm_stats,
                 ),
-                after=None,
+                after=after,
             )
             pending.wait()
         differentiable = torch.is_grad_enabled()

@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_yafsdp.core.collectives import CommStats, broadcast_
+from lightning_yafsdp.core.buffers import GatherStaging
+from lightning_yafsdp.core.collectives import CommStats, broadcast_, check_reduce_dtype
 from lightning_yafsdp.core.engine import YaFSDPEngine
 from lightning_yafsdp.core.flat_group import ParamOwner
 from lightning_yafsdp.core.grads import ShardGrads
@@ -120,6 +121,7 @@ def shard_model(
     if built_on_meta:
         device = _default_device(group)
     check_backend(str(dist.get_backend(group)), device)
+    check_reduce_dtype(group, device, reduce_dtype)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
 
     unit_modules = find_units(module, units)
@@ -167,9 +169,14 @@ def shard_model(
         cast_forward_inputs=cast_forward_inputs,
     )
     engine.zero_stage = zero_stage
+    if master_dtype != param_dtype:
+        slots = _unit_buffer_sizes(plan, zero_stage)
+        engine.gather_staging = GatherStaging(slots.grad_shards, dtype=param_dtype, device=device)
     engine.flat_shard, engine.norm_shard = flat_shard, norm_shard
     engine.frozen_store = frozen_store
-    engine.flat_compute = _compute_twin(flat_shard, param_dtype)
+    # [Note: cast on gather] No compute twin of the flat master: units cast their shard
+    # into a staging tensor right before each gather. The norm group keeps a twin.
+    engine.flat_compute = flat_shard.detach() if flat_shard.dtype == param_dtype else None
     engine.norm_compute = _compute_twin(norm_shard, param_dtype) if norm_shard is not None else None
     engine.unit_grads = ShardGrads(flat_shard, [])
     engine.norm_grads = ShardGrads(norm_shard, []) if norm_shard is not None else None
@@ -220,6 +227,8 @@ class ShardingPlan:
         units: ``(name, layout)`` per unit, in module order: the blocks and the root
             units ([Note: root units]).
         blocks: per unit, whether it is a block (False: a root unit).
+        backward_reads_weights: per unit, False for plain embeddings, which ZeRO-3
+            does not re-gather for backward ([Note: weightless backward]).
         frozen: per unit, the layout of its frozen parameters, or None
             ([Note: frozen shards]).
         root: layout of the resident root remainder (parameters outside units and
@@ -229,6 +238,7 @@ class ShardingPlan:
 
     units: list[tuple[str, FlatLayout]]
     blocks: tuple[bool, ...]
+    backward_reads_weights: tuple[bool, ...]
     frozen: list[FlatLayout | None]
     root: FlatLayout | None
     norms: FlatLayout | None
@@ -310,6 +320,9 @@ def _plan(module, unit_modules, norm_classes, world_size) -> ShardingPlan:
         # A unit with only frozen parameters has an empty trainable layout (padding only).
         units=[(spec.name, layout_of(spec.params, spec.owners)) for spec in unit_specs],
         blocks=tuple(spec.is_block for spec in unit_specs),
+        backward_reads_weights=tuple(
+            not all(type(m) is nn.Embedding for m in spec.modules) for spec in unit_specs
+        ),
         frozen=[frozen_layout_of(spec) for spec in unit_specs],
         root=layout_of(root_spec.params, root_spec.owners) if root_spec.params else None,
         norms=layout_of(norm_spec.params, norm_spec.owners) if norm_spec.params else None,
@@ -517,9 +530,9 @@ def _default_device(group: ProcessGroup) -> torch.device:
 
 
 def _compute_twin(master: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
-    # [Note: compute shards] The all_gather source. When the compute dtype equals
-    # the master dtype it IS the master shard (no copy); otherwise a twin that is
-    # refreshed once after every optimizer step.
+    # [Note: compute shards] The norm group's all_gather source. When the compute dtype
+    # equals the master dtype it IS the master shard (no copy); otherwise a twin that is
+    # refreshed once after every optimizer step (tiny; units cast on gather instead).
     if master.dtype == param_dtype:
         return master.detach()
     return master.detach().to(param_dtype)
@@ -534,7 +547,7 @@ def _group_kwargs(spec, layout, engine, which, offset) -> dict:
         layout=layout,
         owners=spec.owners,
         master_shard=master[offset:end],
-        compute_shard=compute[offset:end],
+        compute_shard=compute[offset:end] if compute is not None else None,
         grad_range=(offset, end),
     )
 
@@ -558,9 +571,12 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
     # sure they are gathered and exposed before it runs, whoever calls it: a parent may
     # read a child's weight before calling it (CLIP's text embeddings read
     # position_embedding.weight.shape), and Lightning never calls the root's forward.
+    # The ancestors of root units too: their weight attributes must show the compute
+    # dtype before the unit runs ([Note: ungathered weights]).
+    exposed = [*engine.residents, *(unit for unit in engine.units if not unit.is_block)]
     owner_modules = [module] + [
         module.get_submodule(prefix)
-        for group in engine.residents
+        for group in exposed
         for owners in group.owners
         for owner in owners
         for prefix in _module_path_prefixes(owner.name)

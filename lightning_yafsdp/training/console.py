@@ -55,7 +55,8 @@ def estimate_table(est: Estimate, *, title: str = "memory per rank") -> Table:
         ("master shards", est.master_shards),
         ("gradient shards", est.grad_shards),
         ("optimizer states (AdamW)", est.optimizer_states),
-        ("compute shards", est.compute_shards),
+        ("compute shards (norms)", est.compute_shards),
+        ("gather staging (cast on gather)", est.gather_staging),
         ("frozen shards", est.frozen_shards),
         ("unit weight buffers", est.weight_buffers),
         ("unit grad buffers", est.grad_buffers),
@@ -93,6 +94,7 @@ def startup_panel(
     facts.add_column()
     largest = max(est.units, key=lambda g: g.padded_numel)
     shards = est.master_shards + est.grad_shards + est.compute_shards + est.frozen_shards
+    buffers = est.weight_buffers + est.grad_buffers + est.resident_buffers + est.gather_staging
     facts.add_row("model", f"{model_name}: {human_count(est.num_parameters)} parameters")
     facts.add_row(
         "units",
@@ -106,7 +108,7 @@ def startup_panel(
         "per rank",
         f"shards {human_bytes(shards)}"
         f" + optimizer {human_bytes(est.optimizer_states)}"
-        f" + buffers {human_bytes(est.weight_buffers + est.grad_buffers + est.resident_buffers)}"
+        f" + buffers {human_bytes(buffers)}"
         f" + activations {human_bytes(est.activations(est.checkpointed_units))}"
         f" = {human_bytes(est.total)} (estimate)",
     )
