@@ -218,8 +218,23 @@ def estimate(
         residents=residents,
         micro_batches=config.trainer.accumulate_grad_batches,
     )
-    shard_numel = sum(g.shard_numel for g in (*units, *residents))
-    est.master_shards = shard_numel * m
+    _state_bytes(est, config.strategy.zero_stage)
+    _traffic_bytes(est, config.strategy.zero_stage)
+    _activation_bytes(est, config, model)
+    est.checkpointed_units = checkpointed_units(est, config)
+    return est
+
+
+def _gathered(units: list[GroupSize]) -> list[int]:
+    """What each unit's gather writes: its trainable and its frozen padded elements."""
+    return [g.padded_numel + g.frozen_padded_numel for g in units]
+
+
+def _state_bytes(est: Estimate, zero_stage: int) -> None:
+    """Sharded state and buffers, as ``engine.memory_report()`` counts them."""
+    units, residents = est.units, est.residents
+    p, r, m = est.param_bytes, est.reduce_bytes, est.master_bytes
+    est.master_shards = sum(g.shard_numel for g in (*units, *residents)) * m
     # [Note: cast on gather] Only the norm group keeps a compute twin; units cast into
     # two shard-sized staging tensors before each gather.
     norm_shard = sum(g.shard_numel for g in residents if g.name == NORM_GROUP)
@@ -227,12 +242,11 @@ def estimate(
     est.frozen_shards = sum(g.frozen_shard_numel for g in units) * p
     est.grad_shards = est.master_shards
     est.optimizer_states = 2 * est.master_shards
-    gathered = [g.padded_numel + g.frozen_padded_numel for g in units]
     slots = buffer_sizes(
-        gathered,
+        _gathered(units),
         [g.padded_numel for g in units],
         [g.shard_numel for g in units],
-        config.strategy.zero_stage,
+        zero_stage,
     )
     est.gather_staging = sum(slots.grad_shards) * p if p != m else 0
     est.weight_buffers = sum(slots.weights) * p
@@ -241,22 +255,20 @@ def estimate(
         g.padded_numel * p + (g.padded_numel + g.shard_numel) * r for g in residents
     )
 
-    regathered = [
-        numel
-        for numel, g in zip(gathered[:-2], units[:-2], strict=True)
-        if g.backward_reads_weights
-    ]
-    if config.strategy.zero_stage != 3:
-        regathered = []
+
+def _traffic_bytes(est: Estimate, zero_stage: int) -> None:
+    """Collective bytes, as ``engine.comm_stats`` counts them."""
+    units, residents = est.units, est.residents
+    p, r = est.param_bytes, est.reduce_bytes
+    gathered = _gathered(units)
+    regathered = []
+    if zero_stage == 3:  # all but the last two units, plain embeddings excepted
+        regathered = [n for n, g in zip(gathered[:-2], units[:-2]) if g.backward_reads_weights]
     est.all_gather_per_micro_batch = (sum(gathered) + sum(regathered)) * p
     est.all_gather_per_step = sum(g.padded_numel for g in residents) * p
     est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r
-    if world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
+    if est.world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
         est.all_reduce_per_micro_batch = sum(g.num_params for g in (*units, *residents))
-
-    _activation_bytes(est, config, model)
-    est.checkpointed_units = checkpointed_units(est, config)
-    return est
 
 
 def checkpointed_units(est: Estimate, config: RunConfig) -> int:

@@ -181,27 +181,7 @@ def shard_model(
     engine.unit_grads = ShardGrads(flat_shard, [])
     engine.norm_grads = ShardGrads(norm_shard, []) if norm_shard is not None else None
 
-    offset = frozen_offset = 0
-    for index, (spec, layout, frozen_layout) in enumerate(flat_groups[: len(unit_specs)]):
-        kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
-        if frozen_layout is not None:
-            end = frozen_offset + frozen_layout.shard_numel
-            kwargs.update(
-                frozen_layout=frozen_layout,
-                frozen_owners=spec.frozen_owners,
-                frozen_shard=frozen_store[frozen_offset:end],
-            )
-            frozen_offset = end
-        engine.units.append(
-            ShardedUnit(engine, index, spec.modules, is_block=spec.is_block, **kwargs)
-        )
-        offset += layout.shard_numel
-    if root_layout is not None:
-        kwargs = _group_kwargs(root_spec, root_layout, engine, "flat", offset)
-        engine.residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
-    if norm_layout is not None:
-        kwargs = _group_kwargs(norm_spec, norm_layout, engine, "norm", 0)
-        engine.residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
+    _add_groups(engine, flat_groups[: len(unit_specs)], frozen_store, plan, root_spec, norm_spec)
 
     _rewire_module(module, engine)
     if init_on is not None:
@@ -217,6 +197,31 @@ def shard_model(
     _apply_activation_checkpointing(engine, activation_checkpointing)
     engine.comm_stats.reset()
     return engine
+
+
+def _add_groups(engine, unit_groups, frozen_store, plan, root_spec, norm_spec) -> None:
+    """Create the units (views into the masters and the frozen store) and the residents."""
+    offset = frozen_offset = 0
+    for index, (spec, layout, frozen_layout) in enumerate(unit_groups):
+        kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
+        if frozen_layout is not None:
+            end = frozen_offset + frozen_layout.shard_numel
+            kwargs.update(
+                frozen_layout=frozen_layout,
+                frozen_owners=spec.frozen_owners,
+                frozen_shard=frozen_store[frozen_offset:end],
+            )
+            frozen_offset = end
+        engine.units.append(
+            ShardedUnit(engine, index, spec.modules, is_block=spec.is_block, **kwargs)
+        )
+        offset += layout.shard_numel
+    if plan.root is not None:
+        kwargs = _group_kwargs(root_spec, plan.root, engine, "flat", offset)
+        engine.residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
+    if plan.norms is not None:
+        kwargs = _group_kwargs(norm_spec, plan.norms, engine, "norm", 0)
+        engine.residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
 
 
 @dataclass(frozen=True)
