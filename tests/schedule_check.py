@@ -44,11 +44,7 @@ def four_condition_violations(
                 violations.append(f"condition 1: {where} before its weights were gathered")
             computing[weight_slot] = unit
             if event.op == "backward_start":
-                pending = unwaited_reduce.get(grad_slot)
-                if pending is not None:
-                    violations.append(
-                        f"condition 3: {where} before the reduce_scatter of '{pending}' finished"
-                    )
+                violations += _condition_3(unwaited_reduce.get(grad_slot), where)
                 in_backward.add(unit)
                 backward_done.discard(unit)
         elif event.op in ("forward_end", "backward_end"):
@@ -59,11 +55,7 @@ def four_condition_violations(
         elif event.op == "backward_start_weightless":
             # [Note: weightless backward] an embedding's backward reads no weights:
             # condition 1 does not apply, condition 3 does.
-            pending = unwaited_reduce.get(grad_slot)
-            if pending is not None:
-                violations.append(
-                    f"condition 3: {where} before the reduce_scatter of '{pending}' finished"
-                )
+            violations += _condition_3(unwaited_reduce.get(grad_slot), where)
             in_backward.add(unit)
             backward_done.discard(unit)
         elif event.op == "backward_end_weightless":
@@ -77,3 +69,10 @@ def four_condition_violations(
             if unwaited_reduce.get(grad_slot) == unit:
                 del unwaited_reduce[grad_slot]
     return violations
+
+
+def _condition_3(pending: str | None, where: str) -> list[str]:
+    """A backward may start only after its grad buffer's previous reduce_scatter finished."""
+    if pending is None:
+        return []
+    return [f"condition 3: {where} before the reduce_scatter of '{pending}' finished"]

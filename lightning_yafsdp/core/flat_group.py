@@ -120,13 +120,7 @@ class FlatParamGroup:
                 offset = 0 if index == 0 else self.master_ranges[-1][1] - base
             else:
                 start, end, offset = piece.param_start, piece.param_end, piece.shard_offset
-            placement = ShardPlacement(
-                name=span.name,
-                aliases=tuple(owner.name for owner in owners),
-                shape=span.shape,
-                start=start,
-                end=end,
-            )
+            placement = _placement(span, owners, start, end)
             local = self.master_shard[offset : offset + end - start]
             self.sharded_params.append(nn.Parameter(ShardedTensor(local, placement, process_group)))
             self.master_ranges.append((base + offset, base + offset + end - start))
@@ -142,13 +136,7 @@ class FlatParamGroup:
             start, end, offset = (
                 (piece.param_start, piece.param_end, piece.shard_offset) if piece else (0, 0, 0)
             )
-            placement = ShardPlacement(
-                name=span.name,
-                aliases=tuple(owner.name for owner in owners),
-                shape=span.shape,
-                start=start,
-                end=end,
-            )
+            placement = _placement(span, owners, start, end)
             local = self.frozen_shard[offset : offset + end - start]
             sharded = ShardedTensor(local, placement, process_group)
             self.frozen_params.append(nn.Parameter(sharded, requires_grad=False))
@@ -287,3 +275,14 @@ class FlatParamGroup:
     @property
     def has_grad_target(self) -> bool:
         return self._grad_target is not None
+
+
+def _placement(span, owners: list[ParamOwner], start: int, end: int) -> ShardPlacement:
+    """Where this rank's piece ``[start, end)`` of the parameter at ``span`` lies."""
+    return ShardPlacement(
+        name=span.name,
+        aliases=tuple(owner.name for owner in owners),
+        shape=span.shape,
+        start=start,
+        end=end,
+    )
