@@ -97,6 +97,7 @@ class YaFSDPEngine:
         ]
         # Filled by shard_model.
         self.units: list[ShardedUnit] = []
+        self.root_units: list[ShardedUnit] = []  # the units that are no block
         self.residents: list[ResidentGroup] = []
         # The flat master shards (plain tensors): every sharded parameter is a view of one.
         self.flat_shard: torch.Tensor | None = None
@@ -244,8 +245,8 @@ class YaFSDPEngine:
             self._refresh_compute_shards()
         for group in self.residents:
             group.ensure_views()
-        for unit in self.units:
-            unit.expose_placeholders()  # root units only ([Note: ungathered weights])
+        for unit in self.root_units:
+            unit.expose_placeholders()  # [Note: ungathered weights]
 
     def prefetch_next(self, unit: ShardedUnit) -> None:
         """Start gathering the unit after ``unit`` (module order) while ``unit`` computes."""

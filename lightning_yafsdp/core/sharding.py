@@ -182,6 +182,7 @@ def shard_model(
     engine.norm_grads = ShardGrads(norm_shard, []) if norm_shard is not None else None
 
     _add_groups(engine, flat_groups[: len(unit_specs)], frozen_store, plan, root_spec, norm_spec)
+    engine.root_units = [unit for unit in engine.units if not unit.is_block]
 
     _rewire_module(module, engine)
     if init_on is not None:
@@ -578,7 +579,7 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
     # position_embedding.weight.shape), and Lightning never calls the root's forward.
     # The ancestors of root units too: their weight attributes must show the compute
     # dtype before the unit runs ([Note: ungathered weights]).
-    exposed = [*engine.residents, *(unit for unit in engine.units if not unit.is_block)]
+    exposed = [*engine.residents, *engine.root_units]
     owner_modules = [module] + [
         module.get_submodule(prefix)
         for group in exposed
