@@ -78,7 +78,15 @@ def test_compare_quick_reports_every_strategy_with_ratios_and_goals(tmp_path):
         "overhead_vs_fsdp2",
         "overhead_vs_ddp",
     ]
-    assert all(isinstance(g["met"], bool) for g in report["goals"])
+    overheads = report["overheads_s"]
+    for goal in report["goals"]:
+        metric, _, peer = goal["key"].partition("_vs_")
+        if metric == "overhead" and overheads[peer] <= 0:
+            # One measured step on a shared machine: a peer can beat the single-process
+            # floor, and then there is no overhead to compare (goal not judged).
+            assert goal["met"] is None, goal
+        else:
+            assert isinstance(goal["met"], bool), goal
     comm = report["summaries"]["yafsdp"]["comm_per_step"]
     assert comm["all_gather"]["calls"] > 0 and comm["reduce_scatter"]["bytes"] > 0
     assert "| yafsdp |" in report["table_markdown"]
