@@ -183,6 +183,7 @@ class OptimConfig:
     """AdamW.
 
     Attributes:
+        name: The optimizer: ``"adamw"`` (the only one so far).
         lr: Peak learning rate.
         weight_decay: Decoupled weight decay of matrices (norm gains get none).
         betas: Adam's (beta1, beta2).
@@ -232,7 +233,8 @@ class TrainerConfig:
 
     Attributes:
         accelerator: ``"cpu"``, ``"gpu"``/``"cuda"`` or ``"auto"``.
-        devices: Processes per node: an int, ``"auto"`` or ``"-1"`` (all).
+        devices: Processes per node: a count >= 1, ``"auto"`` or ``"-1"`` (every GPU;
+            refused on CPU).
         num_nodes: Number of nodes (SLURM sets the rest).
         precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
         max_steps: Optimizer steps to run.
@@ -272,6 +274,11 @@ class TrainerConfig:
         _check_choice("trainer", "logger", self.logger, ("csv", "tensorboard", "none"))
         if not (self.devices == "auto" or self.devices.lstrip("-").isdigit()):
             raise ConfigError(f"trainer.devices must be an int or 'auto', got {self.devices!r}")
+        if self.devices != "auto" and int(self.devices) < 1 and self.devices != "-1":
+            raise ConfigError(
+                f"trainer.devices={self.devices}: give the number of processes per node (>= 1), "
+                "'auto', or -1 (every GPU)"
+            )
         _check_positive(
             "trainer",
             num_nodes=self.num_nodes,
@@ -441,7 +448,12 @@ class PracticesConfig:
 
 @dataclass
 class RunConfig:
-    """A whole recipe. The defaults are the embedded ``tiny-cpu`` recipe."""
+    """A whole recipe. The defaults are the embedded ``tiny-cpu`` recipe.
+
+    Attributes:
+        recipe: The recipe's name: in the startup panel and the default run name
+            (default: the recipe file's name).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -9,12 +9,23 @@ process is started for a bad config); errors print one message and exit 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lightning_yafsdp import __version__
 from lightning_yafsdp.cli.checkpoints import add_checkpoint_commands, run_export, run_inspect
+
+if TYPE_CHECKING:
+    from lightning_yafsdp.config import RunConfig
+
+# The value of a bare ``train --resume`` (lightning_yafsdp.training.resume.LATEST; not
+# imported from there, so that ``yafsdp --help`` stays free of torch).
+LATEST = "latest"
 
 _EPILOG = """\
 examples:
@@ -44,16 +55,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
+    from lightning_yafsdp.cli.config_help import render_config_keys
+
     train = commands.add_parser(
         "train",
         help="run a training recipe",
-        description="Train with a recipe (default: the embedded tiny-cpu recipe: a tiny "
-        "Llama on the Python standard library's sources, byte-level, 2 CPU processes, "
-        "about two minutes). The resolved config is printed and saved as config.yaml in "
-        "the run directory (trainer.output_dir/run_name), next to metrics.csv, the "
-        "checkpoints and summary.json.",
+        description=textwrap.fill(
+            "Train with a recipe (default: the embedded tiny-cpu recipe: a tiny Llama on "
+            "the Python standard library's sources, byte-level, 2 CPU processes, about two "
+            "and a half minutes on 2 cores). The resolved config is printed and saved as "
+            "config.yaml in the run folder (trainer.output_dir/run_name), next to "
+            "logs/metrics.csv, metrics.png, checkpoints/ and summary.json. A stopped run "
+            "continues with: yafsdp train runs/NAME/config.yaml --resume",
+            width=88,
+        ),
+        epilog=render_config_keys(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _recipe_arguments(train)
+    train.add_argument(
+        "--config", default=None, metavar="RECIPE", help="the recipe (same as the positional)"
+    )
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        const=LATEST,
+        default=None,
+        metavar="PATH",
+        help="continue the run from its newest checkpoint, or from the checkpoint PATH "
+        "(without a recipe, the config.yaml of the run PATH belongs to is used); an error "
+        "if there is nothing to resume",
+    )
     train.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
@@ -145,24 +177,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(options: argparse.Namespace) -> int:
-    from lightning_yafsdp.config import load_config, to_yaml
+    from lightning_yafsdp.config import to_yaml
 
-    recipe, overrides = _split_recipe(options.args)
-    config = load_config(recipe, overrides)  # fails here, before any process starts
+    config, resume = _train_config(options)  # fails here, before any process starts
     # Lightning's own deprecation chatter (not actionable by the user of a recipe).
     warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
-    from lightning_yafsdp.training.runner import is_rank_zero, train
+    from lightning_yafsdp.training.resume import plan_start
+    from lightning_yafsdp.training.runner import is_rank_zero, run_dir_of, train
 
     if options.print_config:
         print(to_yaml(config), end="")
         return 0
+    start = plan_start(run_dir_of(config), resume)
     if is_rank_zero() and not options.quiet:
         from rich.console import Console
         from rich.syntax import Syntax
 
         Console().print(Syntax(to_yaml(config), "yaml", theme="ansi_dark"))
-    facts = train(config, show=not options.quiet)
+    facts = train(config, start=start, show=not options.quiet)
     return 0 if facts["steps"] > 0 else 1
+
+
+def _train_config(options: argparse.Namespace) -> tuple[RunConfig, str | None]:
+    """The recipe of ``yafsdp train`` and its ``--resume`` value.
+
+    A bare ``--resume`` followed by an override (``--resume optim.lr=1e-4``) takes the
+    override as one; a recipe that is a run's config.yaml, or (without a recipe) the
+    run a ``--resume PATH`` checkpoint belongs to, makes that run folder the run's.
+    """
+    from lightning_yafsdp.config import ConfigError, load_config
+    from lightning_yafsdp.training.resume import LATEST, run_home_of
+    from lightning_yafsdp.training.runner import is_rank_zero
+
+    recipe, overrides = _split_recipe(options.args)
+    if options.config is not None:
+        if recipe is not None:
+            raise ConfigError(f"two recipes given: {recipe!r} and --config {options.config!r}")
+        recipe = options.config
+    resume = options.resume
+    if resume not in (None, LATEST) and "=" in resume and not Path(resume).exists():
+        overrides, resume = [*overrides, resume], LATEST
+    home = run_home_of(Path(recipe)) if recipe and Path(recipe).is_file() else None
+    if recipe is None and resume not in (None, LATEST):
+        home = run_home_of(Path(resume))
+        recipe = str(home / "config.yaml") if home else None
+    config = load_config(recipe, overrides)
+    if home is not None and config.trainer.run_name in (None, home.name):
+        config.trainer.output_dir, config.trainer.run_name = str(home.parent), home.name
+    named = config.trainer.run_name or os.environ.get("SLURM_JOB_ID")
+    if resume == LATEST and not named and is_rank_zero():
+        raise ConfigError(
+            "--resume continues a named run: give its config (yafsdp train "
+            "runs/NAME/config.yaml --resume), trainer.run_name=NAME, or a checkpoint "
+            "(--resume runs/NAME/checkpoints/last.ckpt)"
+        )
+    return config, resume
 
 
 def _estimate(options: argparse.Namespace) -> int:
@@ -171,9 +240,11 @@ def _estimate(options: argparse.Namespace) -> int:
     from lightning_yafsdp.config import load_config
     from lightning_yafsdp.estimate import estimate
     from lightning_yafsdp.training.console import estimate_table, print_rich
+    from lightning_yafsdp.training.preflight import check_inputs
 
     recipe, overrides = _split_recipe(options.args)
     config = load_config(recipe, overrides)
+    check_inputs(config, training=False)  # a missing local model dir: one line, not the hub
     est = estimate(config, world_size=options.world_size)
     if options.json:
         payload = {

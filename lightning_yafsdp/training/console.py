@@ -87,6 +87,8 @@ def startup_panel(
     strategy: str,
     data: dict[str, Any],
     run_dir: str,
+    start: str = "fresh run",
+    warnings: Sequence[str] = (),
 ) -> Panel:
     """What is about to run: model, sharding, memory per rank, data, outputs."""
     facts = Table.grid(padding=(0, 2))
@@ -119,6 +121,9 @@ def startup_panel(
         f"unigram baseline {data['unigram_entropy']:.3f} nats",
     )
     facts.add_row("outputs", run_dir)
+    facts.add_row("start", start)
+    for warning in warnings:
+        facts.add_row("warning", f"[yellow]{warning}[/yellow]")
     return Panel(facts, title=f"yafsdp train: {recipe}", border_style="cyan")
 
 

@@ -9,6 +9,7 @@ takes the engine's param groups (norm gains without weight decay), and each
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -26,6 +27,21 @@ from lightning_yafsdp.training.models import build_model, model_init_fn
 from lightning_yafsdp.training.schedule import lr_lambda
 from lightning_yafsdp.training.stats import log_event_metrics
 
+RUN_HISTORY_KEY = "yafsdp_run"
+
+
+@dataclasses.dataclass
+class RunHistory:
+    """What a run did before this process, carried by its checkpoints.
+
+    Attributes:
+        tokens: Tokens trained on, all ranks together.
+        first_train_loss: The loss of the run's first step (None before any).
+    """
+
+    tokens: int = 0
+    first_train_loss: float | None = None
+
 
 class CausalLMModule(pl.LightningModule):
     """Train a causal LM from a recipe.
@@ -34,8 +50,12 @@ class CausalLMModule(pl.LightningModule):
         config: The resolved recipe.
 
     Attributes recorded for the final summary (plain Python, rank-local):
-        train_losses: ``(step, loss averaged over ranks)`` for every trained step.
-        tokens_seen: Tokens this rank trained on (curriculum crops included).
+        train_losses: ``(step, loss averaged over ranks)`` for every step trained by
+            this process (a resumed run: since the resume).
+        tokens_seen: Tokens this rank trained on in this process (curriculum crops
+            included).
+        earlier: What the segments before a resume did (``RunHistory``, all zero for a
+            fresh run); saved in every checkpoint under ``"yafsdp_run"``.
         guard: The divergence guard (None when off).
     """
 
@@ -61,6 +81,7 @@ class CausalLMModule(pl.LightningModule):
         self.val_nll = torchmetrics.MeanMetric()
         self.train_losses: list[tuple[int, float]] = []
         self.tokens_seen = 0
+        self.earlier = RunHistory()
         self.last_seq_len = config.data.seq_len
 
     # -- model --------------------------------------------------------------------------
@@ -214,6 +235,26 @@ class CausalLMModule(pl.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+    # -- the run across resumes ---------------------------------------------------------
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[RUN_HISTORY_KEY] = dataclasses.asdict(self.history())
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(RUN_HISTORY_KEY)
+        if saved:
+            self.earlier = RunHistory(**saved)
+
+    def history(self) -> RunHistory:
+        """The whole run so far: earlier segments plus this process's training."""
+        first = self.earlier.first_train_loss
+        if first is None and self.train_losses:
+            first = self.train_losses[0][1]
+        return RunHistory(
+            tokens=self.earlier.tokens + self.tokens_seen * self.trainer.world_size,
+            first_train_loss=first,
+        )
 
     def final_train_loss(self, last: int = 10) -> float:
         """Mean of the last ``last`` logged training losses (nan before any)."""

@@ -10,10 +10,12 @@ directory is decided once and handed down through ``YAFSDP_RUN_NAME``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,11 +25,13 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, Logger
 
-from lightning_yafsdp.config import RunConfig, to_yaml
+from lightning_yafsdp.config import ConfigError, RunConfig, to_yaml
 from lightning_yafsdp.data import TokenDataModule
 from lightning_yafsdp.estimate import Estimate, estimate
 from lightning_yafsdp.training import console
 from lightning_yafsdp.training.module import CausalLMModule
+from lightning_yafsdp.training.preflight import check_inputs
+from lightning_yafsdp.training.resume import RunStart, plan_start
 from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
 from lightning_yafsdp.training.thermometers import Thermometers
 
@@ -83,9 +87,16 @@ def build_trainer(
     est: Estimate,
     *,
     train_sequences: int,
+    resume_step: int | None = None,
     extra_callbacks: Sequence[Callback] = (),
 ) -> pl.Trainer:
-    """The Trainer of a recipe (``train_sequences``: size of the train split)."""
+    """The Trainer of a recipe.
+
+    Args:
+        train_sequences: Size of the train split.
+        resume_step: The step a resumed run continues from (None: fresh); the metrics
+            log keeps the rows up to it.
+    """
     tc = config.trainer
     callbacks: list[Any] = [RunStats(), *extra_callbacks]
     if config.practices.thermometers.enabled:
@@ -123,6 +134,8 @@ def build_trainer(
         enable_progress_bar=tc.progress_bar,
         enable_model_summary=False,
         default_root_dir=run_dir,
+        # The datamodule's samplers are distributed and resumable themselves.
+        use_distributed_sampler=False,
     )
 
 
@@ -144,16 +157,25 @@ def _logger(config: RunConfig, run_dir: Path) -> Logger | bool:
 
 
 def train(
-    config: RunConfig, *, show: bool = True, extra_callbacks: Sequence[Callback] = ()
+    config: RunConfig,
+    *,
+    start: RunStart | None = None,
+    show: bool = True,
+    extra_callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Run a recipe to the end; return the summary facts (every rank gets them).
 
     Args:
         config: The resolved recipe.
+        start: Where the run starts (:func:`plan_start`; ``yafsdp train --resume``
+            decides it before any process starts). None: a fresh run, refused if the
+            run folder already holds one.
         show: Print the startup panel and the final summary on rank 0.
         extra_callbacks: More Lightning callbacks for the Trainer.
     """
+    notices = check_inputs(config, training=True)  # before any file is written
     run_dir = run_dir_of(config)
+    start = start if start is not None else plan_start(run_dir, None)
     rank_zero = is_rank_zero()
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if config.trainer.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:
@@ -161,41 +183,32 @@ def train(
         processes = max(1, world_size_of(config) // config.trainer.num_nodes)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     est = estimate(config)
-    data = TokenDataModule(config.data)
-    data.setup("fit")
+    data = _prepared_data(config)
     model = CausalLMModule(config)
     _check_vocab(config, data, est)
     if rank_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(config))
+        _write_config(config, run_dir, start)
         if show:
-            console.print_rich(
-                console.startup_panel(
-                    recipe=config.recipe,
-                    model_name=_model_name(config),
-                    est=est,
-                    world_size=est.world_size,
-                    precision=config.trainer.precision,
-                    strategy=config.strategy.name,
-                    data=_data_facts(config, data),
-                    run_dir=str(run_dir),
-                )
-            )
+            console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
     trainer = build_trainer(
         config,
         run_dir,
         est,
         train_sequences=len(data.train_dataset),
+        resume_step=start.step if start.checkpoint else None,
         extra_callbacks=extra_callbacks,
     )
-    ckpt_path = _resume_path(run_dir)
-    trainer.fit(model, datamodule=data, ckpt_path=ckpt_path)
+    with warnings.catch_warnings():
+        # Lightning cannot see that our sampler resumes mid-epoch ([Note: resuming the
+        # data order]) and would warn that the data order is lost.
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
+        trainer.fit(model, datamodule=data, ckpt_path=str(start.checkpoint or "") or None)
     # val_check_interval counts training batches (micro-batches), as Lightning does.
     batches = trainer.global_step * config.trainer.accumulate_grad_batches
     interval = min(config.trainer.val_check_interval, batches or 1)
     if config.trainer.limit_val_batches and batches % interval != 0:
         trainer.validate(model, datamodule=data, verbose=False)
-    facts = _summary(config, trainer, model, data, run_dir)
+    facts = _summary(config, trainer, model, data, run_dir, start)
     if trainer.is_global_zero:
         (run_dir / "summary.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
         if show:
@@ -205,27 +218,60 @@ def train(
     return facts
 
 
+def _prepared_data(config: RunConfig) -> TokenDataModule:
+    data = TokenDataModule(config.data)
+    try:
+        data.setup("fit")
+    except (ValueError, OSError) as err:  # too little text, an unreadable token file
+        raise ConfigError(f"data: {err}") from err
+    return data
+
+
+def _write_config(config: RunConfig, run_dir: Path, start: RunStart) -> None:
+    """``config.yaml`` with the run's name, so ``yafsdp train runs/X/config.yaml
+    --resume`` continues run X; a resume with other settings keeps the old file."""
+    named = dataclasses.replace(config.trainer, run_name=run_dir.name)
+    text = to_yaml(dataclasses.replace(config, trainer=named))
+    path = run_dir / "config.yaml"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if start.checkpoint is not None and path.is_file() and path.read_text() != text:
+        path.replace(run_dir / f"config.before-step-{start.step}.yaml")
+    path.write_text(text)
+
+
+def _startup_panel(
+    config: RunConfig,
+    est: Estimate,
+    data: TokenDataModule,
+    run_dir: Path,
+    start: RunStart,
+    notices: Sequence[str],
+) -> Any:
+    return console.startup_panel(
+        recipe=config.recipe,
+        model_name=_model_name(config),
+        est=est,
+        world_size=est.world_size,
+        precision=config.trainer.precision,
+        strategy=config.strategy.name,
+        data=_data_facts(config, data),
+        run_dir=str(run_dir),
+        start=start.describe(),
+        warnings=notices,
+    )
+
+
 def _check_vocab(config: RunConfig, data: TokenDataModule, est: Estimate) -> None:
     from lightning_yafsdp.training.models import build_model, vocab_size_of
 
     with torch.device("meta"):
         vocab = vocab_size_of(build_model(config))
     if data.vocab_size > vocab:
-        raise ValueError(
+        raise ConfigError(
             f"the data's vocabulary ({data.vocab_size} tokens, data.tokenizer="
             f"{config.data.tokenizer!r}) exceeds the model's vocab_size={vocab}; set "
             "model.vocab_size or use the model's own tokenizer"
         )
-
-
-def _resume_path(run_dir: Path) -> str | None:
-    # A requeued SLURM job (same run dir) continues from its last checkpoint. Lightning
-    # itself resumes from the checkpoint it saved on SIGUSR1 (hpc_ckpt_*.ckpt in the run
-    # dir) when ckpt_path is None, and that one is the newest.
-    if any(run_dir.glob("hpc_ckpt_*.ckpt")):
-        return None
-    last = run_dir / "checkpoints" / "last.ckpt"
-    return str(last) if last.exists() else None
 
 
 def _model_name(config: RunConfig) -> str:
@@ -250,22 +296,28 @@ def _summary(
     model: CausalLMModule,
     data: TokenDataModule,
     run_dir: Path,
+    start: RunStart,
 ) -> dict[str, Any]:
+    """The whole run's facts; speed and memory are this process's (since a resume)."""
     stats = next(cb for cb in trainer.callbacks if isinstance(cb, RunStats))
     device = trainer.strategy.root_device
-    tokens = model.tokens_seen * trainer.world_size
-    rate = tokens / stats.train_seconds if stats.train_seconds else math.nan
+    history = model.history()
+    segment_tokens = model.tokens_seen * trainer.world_size
+    rate = segment_tokens / stats.train_seconds if stats.train_seconds else math.nan
     peak, peak_kind = peak_memory_bytes(device)
     val = trainer.callback_metrics.get("val_loss")
     facts: dict[str, Any] = {
         "steps": trainer.global_step,
-        "tokens": tokens,
+        "resumed_from_step": start.step if start.checkpoint is not None else None,
+        "tokens": history.tokens,
         "train_seconds": round(stats.train_seconds, 2),
         "tokens_per_s": round(rate, 1),
         "mfu": None,
         "peak_memory_bytes": peak,
         "peak_memory_kind": peak_kind,
-        "first_train_loss": model.train_losses[0][1] if model.train_losses else math.nan,
+        "first_train_loss": (
+            history.first_train_loss if history.first_train_loss is not None else math.nan
+        ),
         "final_train_loss": model.final_train_loss(),
         "final_val_loss": float(val) if val is not None else math.nan,
         "unigram_entropy": data.unigram_entropy,
@@ -292,10 +344,13 @@ def _last_checkpoint(trainer: pl.Trainer) -> str | None:
 
 
 def _display(facts: dict[str, Any]) -> dict[str, str]:
+    resumed = facts["resumed_from_step"]
     return {
-        "steps": str(facts["steps"]),
+        "steps": str(facts["steps"]) + (f" (resumed at step {resumed})" if resumed else ""),
         "tokens": console.human_count(facts["tokens"]),
-        "tokens/s (training)": f"{facts['tokens_per_s']:,.0f}",
+        "tokens/s (training" + (", since the resume)" if resumed else ")"): (
+            f"{facts['tokens_per_s']:,.0f}"
+        ),
         "MFU": f"{facts['mfu']:.1%}" if facts["mfu"] is not None else "n/a (device peak unknown)",
         f"peak memory ({facts['peak_memory_kind']}, rank 0)": console.human_bytes(
             facts["peak_memory_bytes"]

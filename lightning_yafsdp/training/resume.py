@@ -1,0 +1,150 @@
+"""Where a ``yafsdp train`` run starts: fresh, or from a checkpoint (``--resume``).
+
+[Note: resuming a run] A run is its folder, ``output_dir/run_name``: config.yaml,
+logs/metrics.csv, checkpoints/. ``--resume`` continues the run from its newest
+checkpoint, ``--resume PATH`` from a given one; without the flag a run folder that
+already holds checkpoints or metrics is refused rather than silently continued or
+overwritten. The decision is made once, by the process that becomes rank 0 before
+any rank starts, and handed to the ranks Lightning's launcher starts through
+``YAFSDP_RESUME_FROM`` (as the run name is through ``YAFSDP_RUN_NAME``): by the
+time they run, rank 0 may have written files that would change the answer. Under
+SLURM or torchrun every rank decides alone, from the same files; only rank 0
+refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from lightning_yafsdp.config import ConfigError
+
+RESUME_ENV = "YAFSDP_RESUME_FROM"
+# The value of ``--resume`` given without a path: the run's newest checkpoint.
+LATEST = "latest"
+
+_CHECKPOINT_GLOBS = ("checkpoints/*.ckpt", "hpc_ckpt_*.ckpt")
+_METRICS = "logs/metrics.csv"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStart:
+    """How a run starts.
+
+    Attributes:
+        checkpoint: The checkpoint it continues from; None for a fresh run.
+        step: The optimizer step stored in that checkpoint (0 when fresh).
+        tokens: Tokens the run had trained on at that step, all ranks together
+            (None when the checkpoint does not say, e.g. one not written by
+            ``yafsdp train``).
+    """
+
+    checkpoint: Path | None = None
+    step: int = 0
+    tokens: int | None = None
+
+    def describe(self) -> str:
+        """One line for the startup panel."""
+        if self.checkpoint is None:
+            return "fresh run (no checkpoint)"
+        tokens = f", {self.tokens:,} tokens seen" if self.tokens is not None else ""
+        return f"resuming {self.checkpoint} at step {self.step}{tokens}"
+
+
+def run_home_of(path: Path) -> Path | None:
+    """The run folder a checkpoint or config.yaml belongs to (one holding config.yaml).
+
+    ``runs/X/checkpoints/last.ckpt``, ``runs/X/hpc_ckpt_3.ckpt`` and
+    ``runs/X/config.yaml`` belong to ``runs/X``; anything else to no run.
+    """
+    path = Path(path).absolute()
+    folder = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    return folder if (folder / "config.yaml").is_file() else None
+
+
+def plan_start(run_dir: Path, resume: str | None) -> RunStart:
+    """Decide how the run in ``run_dir`` starts (see [Note: resuming a run]).
+
+    Args:
+        run_dir: The run's folder.
+        resume: None (no ``--resume``), :data:`LATEST`, or a checkpoint path.
+
+    Raises:
+        ConfigError: ``--resume`` finds no checkpoint, the path does not exist or is
+            not a readable checkpoint, or (without ``--resume``) the run folder
+            already holds a run.
+    """
+    from lightning_yafsdp.training.runner import is_rank_zero
+
+    rank_zero = is_rank_zero()
+    handed_down = os.environ.get(RESUME_ENV)
+    if handed_down is not None and not rank_zero:
+        return _read_start(Path(handed_down)) if handed_down else RunStart()
+    if resume is None:
+        if rank_zero:
+            _refuse_existing_run(run_dir)
+        start = RunStart()
+    else:
+        path = _latest_checkpoint(run_dir) if resume == LATEST else Path(resume)
+        if not path.exists():
+            raise ConfigError(f"--resume {resume}: {path} does not exist")
+        start = _read_start(path)
+    os.environ[RESUME_ENV] = str(start.checkpoint or "")
+    return start
+
+
+def previous_outputs(run_dir: Path) -> list[Path]:
+    """Checkpoints and metrics a run folder already holds."""
+    found = [p for pattern in _CHECKPOINT_GLOBS for p in sorted(run_dir.glob(pattern))]
+    metrics = run_dir / _METRICS
+    return found + ([metrics] if metrics.is_file() else [])
+
+
+def _refuse_existing_run(run_dir: Path) -> None:
+    found = previous_outputs(run_dir)
+    if found:
+        shown = ", ".join(str(p.relative_to(run_dir)) for p in found[:3])
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
+        raise ConfigError(
+            f"run folder {run_dir} already holds a run ({shown}{more}): pass --resume to "
+            "continue it, or trainer.run_name=<new name> to start another run next to it"
+        )
+
+
+def _latest_checkpoint(run_dir: Path) -> Path:
+    candidates = [p for pattern in _CHECKPOINT_GLOBS for p in run_dir.glob(pattern)]
+    if not candidates:
+        looked = " and ".join(str(run_dir / pattern) for pattern in _CHECKPOINT_GLOBS)
+        raise ConfigError(
+            f"--resume: no checkpoint to resume in run folder {run_dir} (looked for "
+            f"{looked}); give one with --resume PATH, or drop --resume to start a fresh run"
+        )
+    # The newest state wins; on a tie last.ckpt is the name users know.
+    steps = {path: _read_start(path).step for path in candidates}
+    return max(candidates, key=lambda p: (steps[p], p.name == "last.ckpt", p.name))
+
+
+def _read_start(path: Path) -> RunStart:
+    from lightning_yafsdp.checkpoint import CheckpointError, inspect_checkpoint
+
+    try:
+        info = inspect_checkpoint(path)
+        history = _run_history(path)
+    except (CheckpointError, OSError, RuntimeError, EOFError) as err:
+        raise ConfigError(f"cannot resume from {path}: {err}") from err
+    return RunStart(checkpoint=path, step=int(info.get("step") or 0), tokens=history.get("tokens"))
+
+
+def _run_history(path: Path) -> dict[str, Any]:
+    """The ``"yafsdp_run"`` entry ``yafsdp train`` writes into its checkpoints."""
+    import torch
+
+    from lightning_yafsdp.checkpoint.sharded import META_FILENAME
+    from lightning_yafsdp.training.module import RUN_HISTORY_KEY
+
+    source = path / META_FILENAME if path.is_dir() else path
+    # mmap: a single-file checkpoint is not read whole just to find this entry.
+    state = torch.load(source, map_location="cpu", weights_only=False, mmap=path.is_file())
+    return dict(state.get(RUN_HISTORY_KEY) or {})
