@@ -50,8 +50,8 @@ class CausalLMModule(pl.LightningModule):
         config: The resolved recipe.
 
     Attributes recorded for the final summary (plain Python, rank-local):
-        train_losses: ``(step, loss averaged over ranks)`` for every step trained by
-            this process (a resumed run: since the resume).
+        train_losses: ``(step, loss averaged over ranks and the step's micro-batches)``
+            for every step trained by this process (a resumed run: since the resume).
         tokens_seen: Tokens this rank trained on in this process (curriculum crops
             included).
         earlier: What the segments before a resume did (``RunHistory``, all zero for a
@@ -80,6 +80,7 @@ class CausalLMModule(pl.LightningModule):
         )
         self.val_nll = torchmetrics.MeanMetric()
         self.train_losses: list[tuple[int, float]] = []
+        self._step_losses: list[float] = []  # this optimizer step's micro-batches so far
         self.tokens_seen = 0
         self.earlier = RunHistory()
         self.last_seq_len = config.data.seq_len
@@ -159,20 +160,25 @@ class CausalLMModule(pl.LightningModule):
             # Healthy loss: these weights (and this optimizer state) are good to return to.
             guard.maybe_snapshot(self, self.optimizers().optimizer, step)
         self.tokens_seen += batch[:, 1:].numel()
-        self.train_losses.append((step, float(mean_loss)))
         self.log("train_loss", mean_loss, on_step=True, prog_bar=True, logger=False)
+        self._step_losses.append(float(mean_loss))
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:
+            self._end_of_step(step, batch)
+        return loss
+
+    def _end_of_step(self, step: int, batch: torch.Tensor) -> None:
+        """Record the optimizer step's loss: the mean over its micro-batches."""
+        step_loss = sum(self._step_losses) / len(self._step_losses)
+        self._step_losses.clear()
+        self.train_losses.append((step, step_loss))
         if step % self.config.trainer.log_every_n_steps == 0:
             # Straight to the loggers: through self.log, Lightning would repeat the last
             # loss on the rows of steps the divergence guard skipped.
-            metrics = {
-                "train_loss": float(mean_loss),
-                "lr": self.optimizers().param_groups[0]["lr"],
-            }
+            metrics = {"train_loss": step_loss, "lr": self.optimizers().param_groups[0]["lr"]}
             if self.curriculum is not None:
                 metrics["curriculum/seq_len"] = float(batch.shape[1] - 1)
                 metrics["curriculum/batch_size"] = float(batch.shape[0])
             log_event_metrics(self.trainer, metrics)
-        return loss
 
     def _no_update(self) -> torch.Tensor:
         # [Note: skipping a step] Lightning refuses ``return None`` from training_step
