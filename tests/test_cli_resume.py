@@ -51,9 +51,7 @@ def runs(tmp_path_factory) -> dict:
         "summary": json.loads((run_dir / "summary.json").read_text()),
     }
     middle = next(run_dir.glob(f"checkpoints/*step={MIDDLE}.ckpt"))
-    resumed = _yafsdp(
-        "train", "runs/r/config.yaml", "--resume", str(middle), cwd=cwd, timeout=300
-    )
+    resumed = _yafsdp("train", "runs/r/config.yaml", "--resume", str(middle), cwd=cwd, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     return {"cwd": cwd, "run_dir": run_dir, "before": before, "resumed": resumed}
 
