@@ -57,6 +57,24 @@ def test_each_command_has_help(command: str, capsys) -> None:
     assert f"yafsdp {command}" in capsys.readouterr().out
 
 
+def test_train_help_lists_every_config_key_with_type_default_and_description(capsys) -> None:
+    from lightning_yafsdp.cli.config_help import config_keys
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    keys = list(config_keys())
+    assert len(keys) > 60
+    for key in keys:
+        assert key.description, f"{key.name} has no description in its section's docstring"
+        line = next(line for line in out.splitlines() if line.split()[:1] == [key.name])
+        assert f"{key.type} = {key.default}" in line and key.description[:30] in line
+    # Types, defaults and several names sharing one docstring entry come out right.
+    assert "trainer.max_steps" in out and "int = 450  Optimizer steps to run." in out
+    assert "model.rope_theta" in out and "float | null = null  override the preset's" in out
+    assert "optim.betas" in out and "list[float] = [0.9, 0.95]" in out
+
+
 def test_inspect_of_a_directory_that_is_not_a_checkpoint_fails_clearly(tmp_path, capsys) -> None:
     assert main(["inspect", str(tmp_path)]) == 2
     assert "yafsdp inspect:" in capsys.readouterr().err
