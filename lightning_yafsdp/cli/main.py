@@ -188,7 +188,9 @@ def _train(options: argparse.Namespace) -> int:
     if options.print_config:
         print(to_yaml(config), end="")
         return 0
-    start = plan_start(run_dir_of(config), resume)
+    run_dir = run_dir_of(config)
+    config.trainer.run_name = run_dir.name  # decided once: printed, saved, resumable
+    start = plan_start(run_dir, resume)
     if is_rank_zero() and not options.quiet:
         from rich.console import Console
         from rich.syntax import Syntax

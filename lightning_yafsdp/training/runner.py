@@ -48,7 +48,9 @@ def is_rank_zero() -> bool:
 
 def run_dir_of(config: RunConfig) -> Path:
     """``output_dir/run_name``, the same on every rank (see the note above)."""
-    name = config.trainer.run_name or os.environ.get(RUN_NAME_ENV)
+    # Rank 0 decides; a name in the environment is what rank 0 handed to the ranks it
+    # launched (in rank 0's own process it would be left over from an earlier run).
+    name = config.trainer.run_name or (None if is_rank_zero() else os.environ.get(RUN_NAME_ENV))
     if not name:
         job = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
         # Under SLURM the job id is stable across requeues: a requeued job resumes here.
