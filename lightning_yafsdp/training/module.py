@@ -140,7 +140,9 @@ class CausalLMModule(pl.LightningModule):
         self.tokens_seen += batch[:, 1:].numel()
         self.train_losses.append((step, float(mean_loss)))
         self.log("train_loss", mean_loss, on_step=True, prog_bar=True, logger=False)
-        if step % self.config.trainer.log_every_n_steps == 0:
+        # Lightning logs its own metrics (tokens/s) on steps with (step + 1) % n == 0: the
+        # same steps here put them on one row. Step 0 too: the loss at initialisation.
+        if step == 0 or (step + 1) % self.config.trainer.log_every_n_steps == 0:
             # Straight to the loggers: through self.log, Lightning would repeat the last
             # loss on the rows of steps the divergence guard skipped.
             metrics = {

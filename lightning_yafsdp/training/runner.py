@@ -20,14 +20,15 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 
 from lightning_yafsdp.config import RunConfig, to_yaml
 from lightning_yafsdp.data import TokenDataModule
 from lightning_yafsdp.estimate import Estimate, estimate
 from lightning_yafsdp.training import console
 from lightning_yafsdp.training.module import CausalLMModule
+from lightning_yafsdp.training.progress import StepProgressBar
 from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
 from lightning_yafsdp.training.thermometers import Thermometers
 
@@ -91,7 +92,7 @@ def build_trainer(
     if config.practices.thermometers.enabled:
         callbacks.append(Thermometers(config.practices.thermometers.every_n_steps))
     if tc.progress_bar:
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(StepProgressBar(leave=True))
     checkpointing = tc.checkpoint_every_n_steps > 0
     if checkpointing:
         callbacks.append(
@@ -132,15 +133,19 @@ def _epochs(config: RunConfig, world_size: int, train_sequences: int) -> int:
     return math.ceil(config.trainer.max_steps * config.trainer.accumulate_grad_batches / per_epoch)
 
 
-def _logger(config: RunConfig, run_dir: Path) -> Logger | bool:
+def _logger(config: RunConfig, run_dir: Path, *, resume_step: int | None = None) -> list[Logger]:
+    from lightning_yafsdp.training.metrics_log import StepMetricsLogger
+
     kind = config.trainer.logger
     if kind == "none":
-        return False
+        return []
+    # metrics.csv always: the plot and the summary read it, TensorBoard or not.
+    loggers: list[Logger] = [StepMetricsLogger(run_dir / "logs", resume_step=resume_step)]
     if kind == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        return TensorBoardLogger(save_dir=str(run_dir), name="logs", version="tensorboard")
-    return CSVLogger(save_dir=str(run_dir), name="logs", version="")
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="logs", version="tensorboard"))
+    return loggers
 
 
 def train(
