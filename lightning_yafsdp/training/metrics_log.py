@@ -27,6 +27,9 @@ from typing import Any
 
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lightning_yafsdp.config import ConfigError
 
 METRICS_FILE = "metrics.csv"
 STEP = "step"
@@ -48,8 +51,6 @@ def check_logger_available(kind: str) -> None:
     # Lightning's TensorBoardLogger writes with either package.
     if _importable("tensorboard") or _importable("tensorboardX"):
         return
-    from lightning_yafsdp.config import ConfigError
-
     raise ConfigError(
         "trainer.logger='tensorboard' needs the tensorboard package, which is not installed: "
         f"{TENSORBOARD_INSTALL} (or set trainer.logger=csv)"
@@ -94,18 +95,22 @@ class StepMetricsLogger(Logger):
     # -- Lightning's Logger interface -----------------------------------------------------
 
     @property
+    @override
     def name(self) -> str:
         return "metrics"
 
     @property
+    @override
     def version(self) -> str:
         return ""
 
     @property
+    @override
     def save_dir(self) -> str:
         return str(self._log_dir.parent)
 
     @property
+    @override
     def log_dir(self) -> str:
         return str(self._log_dir)
 
@@ -114,11 +119,13 @@ class StepMetricsLogger(Logger):
         """The CSV file this logger writes."""
         return self._log_dir / METRICS_FILE
 
+    @override
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         # The resolved recipe is saved as config.yaml next to logs/; nothing to add.
         self.set_aside_superseded_rows()
 
+    @override
     @rank_zero_only
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         self.set_aside_superseded_rows()
@@ -137,11 +144,13 @@ class StepMetricsLogger(Logger):
         else:
             self._append(row)
 
+    @override
     @rank_zero_only
     def save(self) -> None:
         if self._file is not None:
             self._file.flush()
 
+    @override
     @rank_zero_only
     def finalize(self, status: str) -> None:
         if self._file is not None:
@@ -157,7 +166,8 @@ class StepMetricsLogger(Logger):
         Called by the first write; call it earlier to tell the user before training.
 
         Returns:
-            The ``metrics.superseded-K.csv`` that received the moved rows, or None.
+            The ``metrics.superseded-K.csv`` that received the moved rows, or None
+            (nothing to move, or not rank 0).
         """
         if self._prepared:
             return self.superseded_path

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import RichProgressBar
 from rich.progress import ProgressColumn, Task
 from rich.text import Text
+from typing_extensions import override
 
 _DESCRIPTION = "steps"
 
@@ -29,6 +30,7 @@ class StepProgressBar(RichProgressBar):
     elapsed time once the bar is full (no stale estimate at the end).
     """
 
+    @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not _counts_steps(trainer):
             super().on_train_epoch_start(trainer, pl_module)
@@ -38,6 +40,7 @@ class StepProgressBar(RichProgressBar):
             return
         self._initialize_train_progress_bar_id()
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
@@ -53,6 +56,7 @@ class StepProgressBar(RichProgressBar):
         self._update_metrics(trainer, pl_module)
         self.refresh()
 
+    @override
     def _initialize_train_progress_bar_id(self) -> None:
         if not _counts_steps(self.trainer):
             super()._initialize_train_progress_bar_id()
@@ -61,12 +65,14 @@ class StepProgressBar(RichProgressBar):
         self.train_progress_bar_id = self._add_task(self.trainer.max_steps, _DESCRIPTION)
         self._update(self.train_progress_bar_id, self.trainer.global_step)
 
+    @override
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         metrics = super().get_metrics(trainer, pl_module)
         # The loggers' version ("tensorboard" -> "oard"): a run has its name, not versions.
         metrics.pop("v_num", None)
         return metrics
 
+    @override
     def configure_columns(self, trainer: pl.Trainer) -> list:
         columns = super().configure_columns(trainer)
         time_column = next(c for c in columns if type(c).__name__ == "CustomTimeColumn")
