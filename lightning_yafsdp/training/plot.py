@@ -6,6 +6,7 @@ no global backend switch), from ``logs/metrics.csv`` (see ``metrics_log``).
 
 from __future__ import annotations
 
+import csv
 import os
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,8 @@ def write_plot(run: str | Path, *, output: str | Path | None = None) -> Path:
 
     Args:
         run: A run directory (``runs/NAME``) or its ``logs/metrics.csv``.
-        output: The PNG to write (default: ``metrics.png`` in the run directory); an
-            existing file there is replaced (atomically).
+        output: The PNG to write, or a directory for ``metrics.png`` (default: the run
+            directory); an existing file there is replaced (atomically).
 
     Returns:
         The path of the PNG.
@@ -64,7 +65,10 @@ def write_plot(run: str | Path, *, output: str | Path | None = None) -> Path:
         PlotError: No metrics file, or no loss logged in it yet.
     """
     metrics_path = metrics_path_of(run)
-    _, rows = read_metrics(metrics_path)
+    try:
+        _, rows = read_metrics(metrics_path)
+    except (ValueError, csv.Error, UnicodeDecodeError) as err:
+        raise PlotError(f"{metrics_path} is not a metrics CSV ({err})") from None
     series = {column: _series(rows, column) for column in (*_LOSS_COLUMNS, "lr", "tokens_per_s")}
     if not any(series[column][0] for column in _LOSS_COLUMNS):
         raise PlotError(
@@ -72,6 +76,8 @@ def write_plot(run: str | Path, *, output: str | Path | None = None) -> Path:
             "trainer.log_every_n_steps steps)"
         )
     target = Path(output) if output is not None else default_plot_path(metrics_path)
+    if target.is_dir():
+        target = target / PLOT_FILE
     figure = _figure(series, title=default_plot_path(metrics_path).parent.name)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
