@@ -44,12 +44,12 @@ def test_version(capsys) -> None:
 def test_help_lists_every_command(capsys) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
-    for command in ("train", "estimate", "prepare", "export", "inspect"):
+    for command in ("train", "estimate", "prepare", "export", "inspect", "plot"):
         assert command in out
     assert "planned" not in out
 
 
-@pytest.mark.parametrize("command", ["train", "estimate", "prepare", "export", "inspect"])
+@pytest.mark.parametrize("command", ["train", "estimate", "prepare", "export", "inspect", "plot"])
 def test_each_command_has_help(command: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main([command, "--help"])

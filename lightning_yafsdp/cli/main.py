@@ -1,6 +1,6 @@
 """Entry point of the ``yafsdp`` command (also ``python -m lightning_yafsdp``).
 
-Commands: ``train``, ``estimate``, ``prepare``, ``export``, ``inspect``.
+Commands: ``train``, ``estimate``, ``prepare``, ``export``, ``inspect``, ``plot``.
 
 Every command validates its recipe and overrides before anything heavy runs (no
 process is started for a bad config); errors print one message and exit 2.
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from lightning_yafsdp import __version__
 from lightning_yafsdp.cli.checkpoints import add_checkpoint_commands, run_export, run_inspect
+from lightning_yafsdp.cli.plot import add_plot_command, run_plot
 
 if TYPE_CHECKING:
     from lightning_yafsdp.config import RunConfig
@@ -35,6 +36,7 @@ examples:
   yafsdp prepare --source text --path corpus/ --output data/corpus.bin
   yafsdp inspect runs/tiny-cpu-<time>/checkpoints/last.ckpt
   yafsdp export runs/tiny-cpu-<time>/checkpoints/last.ckpt exported/ --format safetensors
+  yafsdp plot runs/tiny-cpu-<time>
 """
 
 _OVERRIDES_HELP = (
@@ -118,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--jsonl-field", default="text", help="JSON key holding the text")
     prep.add_argument("--max-bytes", type=int, default=1 << 40, help="cap on text read (bytes)")
     add_checkpoint_commands(commands)
+    add_plot_command(commands)
     return parser
 
 
@@ -170,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_export(options)
         if options.command == "inspect":
             return run_inspect(options)
+        if options.command == "plot":
+            return run_plot(options)
         return _prepare(options)
     except ConfigError as err:
         print(f"yafsdp {options.command}: config error: {err}", file=sys.stderr)

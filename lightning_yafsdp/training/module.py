@@ -171,7 +171,9 @@ class CausalLMModule(pl.LightningModule):
         step_loss = sum(self._step_losses) / len(self._step_losses)
         self._step_losses.clear()
         self.train_losses.append((step, step_loss))
-        if step % self.config.trainer.log_every_n_steps == 0:
+        # Lightning logs its own metrics (tokens/s) on steps with (step + 1) % n == 0: the
+        # same steps here put them on one row. Step 0 too: the loss at initialisation.
+        if step == 0 or (step + 1) % self.config.trainer.log_every_n_steps == 0:
             # Straight to the loggers: through self.log, Lightning would repeat the last
             # loss on the rows of steps the divergence guard skipped.
             metrics = {"train_loss": step_loss, "lr": self.optimizers().param_groups[0]["lr"]}

@@ -32,13 +32,9 @@ def check_inputs(config: RunConfig, *, training: bool) -> list[str]:
         return []
     _check_data(config)
     _check_devices(config)
-    try:  # TEMP-MERGE
-        from lightning_yafsdp.training.progress import (
-            check_logger_available,
-            warn_if_oversubscribed,
-        )
-    except ImportError:  # TEMP-MERGE
-        return []
+    from lightning_yafsdp.training.metrics_log import check_logger_available
+    from lightning_yafsdp.training.progress import warn_if_oversubscribed
+
     check_logger_available(config.trainer.logger)
     warning = warn_if_oversubscribed(_ranks_per_node(config), config.trainer.accelerator)
     return [warning] if warning else []

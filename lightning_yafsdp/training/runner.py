@@ -22,8 +22,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, RichProgressBar
-from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import Logger
 
 from lightning_yafsdp.config import ConfigError, RunConfig, to_yaml
 from lightning_yafsdp.data import TokenDataModule
@@ -31,6 +31,7 @@ from lightning_yafsdp.estimate import Estimate, estimate
 from lightning_yafsdp.training import console
 from lightning_yafsdp.training.module import CausalLMModule
 from lightning_yafsdp.training.preflight import check_inputs
+from lightning_yafsdp.training.progress import StepProgressBar
 from lightning_yafsdp.training.resume import RunStart, plan_start
 from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
 from lightning_yafsdp.training.thermometers import Thermometers
@@ -104,7 +105,7 @@ def build_trainer(
     if config.practices.thermometers.enabled:
         callbacks.append(Thermometers(config.practices.thermometers.every_n_steps))
     if tc.progress_bar:
-        callbacks.append(RichProgressBar(leave=True))
+        callbacks.append(StepProgressBar(leave=True))
     checkpointing = tc.checkpoint_every_n_steps > 0
     if checkpointing:
         callbacks.append(
@@ -130,7 +131,7 @@ def build_trainer(
         limit_val_batches=tc.limit_val_batches,
         num_sanity_val_steps=0,
         log_every_n_steps=tc.log_every_n_steps,
-        logger=_logger(config, run_dir),
+        logger=_logger(config, run_dir, resume_step=resume_step),
         callbacks=callbacks,
         enable_checkpointing=checkpointing,
         enable_progress_bar=tc.progress_bar,
@@ -147,15 +148,19 @@ def _epochs(config: RunConfig, world_size: int, train_sequences: int) -> int:
     return math.ceil(config.trainer.max_steps * config.trainer.accumulate_grad_batches / per_epoch)
 
 
-def _logger(config: RunConfig, run_dir: Path) -> Logger | bool:
+def _logger(config: RunConfig, run_dir: Path, *, resume_step: int | None = None) -> list[Logger]:
+    from lightning_yafsdp.training.metrics_log import StepMetricsLogger
+
     kind = config.trainer.logger
     if kind == "none":
-        return False
+        return []
+    # metrics.csv always: the plot and the summary read it, TensorBoard or not.
+    loggers: list[Logger] = [StepMetricsLogger(run_dir / "logs", resume_step=resume_step)]
     if kind == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        return TensorBoardLogger(save_dir=str(run_dir), name="logs", version="tensorboard")
-    return CSVLogger(save_dir=str(run_dir), name="logs", version="")
+        loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="logs", version="tensorboard"))
+    return loggers
 
 
 def train(
@@ -188,10 +193,6 @@ def train(
     data = _prepared_data(config)
     model = CausalLMModule(config)
     _check_vocab(config, data, est)
-    if rank_zero:
-        _write_config(config, run_dir, start)
-        if show:
-            console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
     trainer = build_trainer(
         config,
         run_dir,
@@ -200,6 +201,13 @@ def train(
         resume_step=start.step if start.checkpoint else None,
         extra_callbacks=extra_callbacks,
     )
+    if rank_zero:
+        _write_config(config, run_dir, start)
+        moved = _set_aside_later_metrics(trainer)
+        if moved:
+            notices.append(f"metrics logged from step {start.step} on moved to {moved}")
+        if show:
+            console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
     with warnings.catch_warnings():
         # Lightning cannot see that our sampler resumes mid-epoch ([Note: resuming the
         # data order]) and would warn that the data order is lost.
@@ -212,12 +220,37 @@ def train(
         trainer.validate(model, datamodule=data, verbose=False)
     facts = _summary(config, trainer, model, data, run_dir, start)
     if trainer.is_global_zero:
+        facts["plot"] = _plot(config, run_dir)
         (run_dir / "summary.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
         if show:
             console.print_rich(
                 console.summary_table(_display(facts), [loss for _, loss in model.train_losses])
             )
     return facts
+
+
+def _set_aside_later_metrics(trainer: pl.Trainer) -> Path | None:
+    """Move the rows a resumed run will log again out of metrics.csv, before training
+    (so the panel can say where they went); the path of the file they went to."""
+    from lightning_yafsdp.training.metrics_log import StepMetricsLogger
+
+    for logger in trainer.loggers:
+        if isinstance(logger, StepMetricsLogger):
+            return logger.set_aside_superseded_rows()
+    return None
+
+
+def _plot(config: RunConfig, run_dir: Path) -> str | None:
+    """metrics.png of the run (None with ``trainer.logger=none``: no metrics)."""
+    from lightning_yafsdp.training.plot import PlotError, write_plot
+
+    if config.trainer.logger == "none":
+        return None
+    try:
+        return str(write_plot(run_dir))
+    except PlotError as err:  # no step logged: say so, the run itself succeeded
+        print(f"yafsdp train: no plot: {err}")
+        return None
 
 
 def _prepared_data(config: RunConfig) -> TokenDataModule:
@@ -363,5 +396,6 @@ def _display(facts: dict[str, Any]) -> dict[str, str]:
         "unigram baseline (val)": f"{facts['unigram_entropy']:.3f}",
         "divergence rollbacks": str(len(facts["rollbacks"])),
         "outputs": facts["run_dir"],
+        "plot": facts.get("plot") or "none (trainer.logger=none)",
         "checkpoint": facts["checkpoint"] or "none (trainer.checkpoint_every_n_steps=0)",
     }
