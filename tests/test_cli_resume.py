@@ -51,7 +51,14 @@ def runs(tmp_path_factory) -> dict:
         "summary": json.loads((run_dir / "summary.json").read_text()),
     }
     middle = next(run_dir.glob(f"checkpoints/*step={MIDDLE}.ckpt"))
-    resumed = _yafsdp("train", "runs/r/config.yaml", "--resume", str(middle), cwd=cwd, timeout=300)
+    resumed = _yafsdp(
+        "train",
+        "runs/r/config.yaml",
+        "--resume",
+        str(middle.relative_to(cwd)),
+        cwd=cwd,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     return {"cwd": cwd, "run_dir": run_dir, "before": before, "resumed": resumed}
 
@@ -86,7 +93,7 @@ def test_the_summary_covers_the_whole_run(runs) -> None:
 
 
 def test_the_startup_panel_says_what_is_resumed(runs) -> None:
-    out = " ".join(runs["resumed"].stdout.split())  # the panel wraps long lines
+    out = " ".join(runs["resumed"].stdout.replace("│", " ").split())  # the panel wraps lines
     assert f"step={MIDDLE}.ckpt at step {MIDDLE}, {MIDDLE * 16 * 128 * 2:,} tokens seen" in out
     assert f"{STEPS} (resumed at step {MIDDLE})" in out
     assert "dataloader is not resumable" not in runs["resumed"].stderr
@@ -97,8 +104,10 @@ def test_config_yaml_names_its_run(runs) -> None:
 
 
 def test_a_bare_resume_picks_the_newest_checkpoint(runs) -> None:
+    # Two checkpoints hold step 12: the interrupted segment's last.ckpt and the resumed
+    # segment's (Lightning names it last-v1.ckpt beside it); the one written last wins.
     start = plan_start(runs["run_dir"], LATEST)
-    assert start.checkpoint == runs["run_dir"] / "checkpoints" / "last.ckpt"
+    assert start.checkpoint == runs["run_dir"] / "checkpoints" / "last-v1.ckpt"
     assert start.step == STEPS and start.tokens == STEPS * 16 * 128 * 2
 
 

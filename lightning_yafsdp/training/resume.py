@@ -121,9 +121,10 @@ def _latest_checkpoint(run_dir: Path) -> Path:
             f"--resume: no checkpoint to resume in run folder {run_dir} (looked for "
             f"{looked}); give one with --resume PATH, or drop --resume to start a fresh run"
         )
-    # The newest state wins; on a tie last.ckpt is the name users know.
+    # The most trained state wins; on a tie the one written last (a run resumed from a
+    # middle checkpoint writes last-v1.ckpt beside the interrupted segment's last.ckpt).
     steps = {path: _read_start(path).step for path in candidates}
-    return max(candidates, key=lambda p: (steps[p], p.name == "last.ckpt", p.name))
+    return max(candidates, key=lambda p: (steps[p], p.stat().st_mtime_ns))
 
 
 def _read_start(path: Path) -> RunStart:
