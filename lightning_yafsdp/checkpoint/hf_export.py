@@ -67,6 +67,11 @@ def load_run_config(path: str | os.PathLike) -> RunConfig:
 
     from lightning_yafsdp.config import RunConfig
 
+    if not Path(path).is_file():
+        raise ExportError(
+            f"run config {str(path)!r} does not exist; pass the config.yaml that yafsdp train "
+            "wrote in the checkpoint's run directory"
+        )
     try:
         loaded = OmegaConf.load(path)
         sections = {key: loaded[key] for key in ("model", "practices") if key in loaded}
