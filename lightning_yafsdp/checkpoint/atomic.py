@@ -13,6 +13,12 @@ right there. A process killed at any other point leaves the previous checkpoint
 untouched and a ``-tmp`` sibling that the next save of the same name deletes
 and that readers never look at.
 
+[Note: file modes]
+Some writers create private files (safetensors' writer makes them 0600), and a
+checkpoint or export that only its writer can read surprises whoever shares the
+run directory. Before the commit every committed file gets the mode a plain
+``open()`` would give, ``0o666 & ~umask``, and every directory ``0o777 & ~umask``.
+
 Ranks agree on the outcome with one ``all_gather_object`` of error messages
 after each phase, so a failure on one rank (an unwritable path, a full disk)
 raises the same ``CheckpointSaveError`` on every rank instead of leaving the
@@ -139,6 +145,34 @@ def agree(error: BaseException | None, *, group=None, doing: str) -> None:
     ) from error
 
 
+def umask() -> int:
+    """The process umask, read without changing it where Linux allows."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # Elsewhere the only way to read it is to set it: restored at once.
+    current = os.umask(0o022)
+    os.umask(current)
+    return current
+
+
+def apply_default_modes(path: Path) -> None:
+    """Give ``path`` (a file, or a directory and all it holds) the modes of a plain
+    ``open()`` / ``mkdir``: see [Note: file modes]."""
+    mask = umask()
+    if not path.is_dir():
+        _chmod(path, 0o666 & ~mask)
+        return
+    for root, _, files in os.walk(path):
+        _chmod(Path(root), 0o777 & ~mask)
+        for name in files:
+            _chmod(Path(root) / name, 0o666 & ~mask)
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -200,6 +234,7 @@ def _refuse_to_replace_a_foreign_directory(path: Path) -> None:
 
 
 def _commit(tmp: Path, path: Path) -> None:
+    apply_default_modes(tmp)
     if tmp.is_dir():
         fsync_tree(tmp)
     if path.exists() and (path.is_dir() or tmp.is_dir()):
@@ -234,3 +269,10 @@ def _rank(group) -> int:
 
 def _world_size(group) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def _chmod(path: Path, mode: int) -> None:
+    # A mode is a courtesy, not worth failing a save for (e.g. another user's
+    # file on a shared filesystem).
+    with contextlib.suppress(OSError):
+        os.chmod(path, mode)

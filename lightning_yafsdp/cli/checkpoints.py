@@ -18,13 +18,17 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     """Registers ``export`` and ``inspect`` on the ``yafsdp`` parser's subcommands."""
     export = commands.add_parser(
         "export",
-        help="consolidate a checkpoint into plain weights (safetensors or .pt)",
+        help="consolidate a checkpoint into plain weights or a Hugging Face model directory",
         description="Write the consolidated weights of a sharded (or single-file) "
-        "checkpoint under their original names and shapes. With --hf-config the output "
-        "directory also gets config.json and loads with transformers' from_pretrained.",
+        "checkpoint under their original names and shapes. With --hf (or --hf-config DIR) "
+        "the output directory is a Hugging Face model (model.safetensors + config.json) "
+        "that AutoModelForCausalLM.from_pretrained loads: a built-in Llama is renamed to "
+        "LlamaForCausalLM's weights, its config taken from the run's config.yaml. "
+        "Everything is checked before anything is written; an earlier export in OUT_DIR "
+        "is replaced only with --force.",
     )
     export.add_argument("checkpoint", help="checkpoint directory (sharded) or file (full)")
-    export.add_argument("out_dir", help="output directory (created if needed)")
+    export.add_argument("out_dir", help="output directory (created when the export succeeds)")
     export.add_argument("--format", choices=("safetensors", "pt"), default="safetensors")
     export.add_argument(
         "--strip-prefix",
@@ -33,13 +37,34 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
         "every weight carries it, as in checkpoints written by 'yafsdp train'; '' keeps all)",
     )
     export.add_argument(
-        "--hf-config", default=None, help="local Hugging Face model/config directory to copy"
+        "--hf",
+        action="store_true",
+        help="write a Hugging Face model directory, config.json made from the run's model "
+        "(built-in Llama) or copied from its model.hf_path (model.kind=hf)",
+    )
+    export.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="DIR",
+        help="like --hf, with config.json taken from this local Hugging Face model/config "
+        "directory (for a built-in Llama it must describe the trained architecture)",
+    )
+    export.add_argument(
+        "--run-config",
+        default=None,
+        metavar="FILE",
+        help="the run's config.yaml (default: the one in the checkpoint's run directory)",
     )
     export.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
         default=None,
         help="cast floating weights (default: as stored, fp32)",
+    )
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an earlier export (model.safetensors, model.pt, config.json) in OUT_DIR",
     )
 
     inspect = commands.add_parser(
@@ -52,6 +77,7 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def run_export(options: argparse.Namespace) -> int:
+    """``yafsdp export``: one line on stderr and status 2 for anything refused."""
     import torch
 
     from lightning_yafsdp.checkpoint import CheckpointError, export_checkpoint, inspect_checkpoint
@@ -60,23 +86,24 @@ def run_export(options: argparse.Namespace) -> int:
         prefix = options.strip_prefix
         if prefix is None:
             prefix = _default_prefix(inspect_checkpoint(options.checkpoint))
-        hf_config = None
-        if options.hf_config:
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(options.hf_config, local_files_only=True)
         path = export_checkpoint(
             options.checkpoint,
             options.out_dir,
             fmt=options.format,
-            hf_config=hf_config,
+            hf=options.hf,
+            hf_config=options.hf_config,
+            run_config=options.run_config,
             strip_prefix=prefix,
             dtype=getattr(torch, options.dtype) if options.dtype else None,
+            force=options.force,
         )
     except (CheckpointError, OSError, ValueError) as err:
         print(f"yafsdp export: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
+    if options.hf or options.hf_config:
+        out_dir = path.parent
+        print(f"wrote {out_dir / 'config.json'}: from_pretrained({str(out_dir)!r}) loads it")
     return 0
 
 
