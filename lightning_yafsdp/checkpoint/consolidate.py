@@ -34,6 +34,7 @@ from lightning_yafsdp.checkpoint.sharded import (
     is_sharded_checkpoint,
 )
 from lightning_yafsdp.checkpoint.trees import lists_from_int_keys, set_nested
+from lightning_yafsdp.checkpoint.verify import verified_checks, verify_checkpoint
 
 ExportFormat = Literal["safetensors", "pt"]
 
@@ -45,9 +46,13 @@ def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = Fals
     builds: ``{"model": {name: tensor}, "optimizer_0": {...}, **meta.pt}``. With
     ``weights_only`` only ``"model"`` is read. A single-file checkpoint is returned
     as loaded. Needs the whole model in CPU memory.
+
+    Raises:
+        DamagedCheckpointError: a file is missing or truncated (checked before reading).
     """
     path = Path(path)
     atomic.recover(path)
+    verify_checkpoint(path)
     if path.is_file():
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     if not is_sharded_checkpoint(path):
@@ -153,11 +158,16 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ``world_size`` (ranks that wrote it; None for foreign full files),
         ``parameter_count`` (elements of the unique trainable parameters, or of
         every floating tensor in the weights when unknown), ``num_tensors``,
-        ``tensor_names`` (weights), ``num_optimizers``, ``size_bytes`` (on disk).
+        ``tensor_names`` (weights), ``num_optimizers``, ``size_bytes`` (on disk),
+        ``verified`` (what ``verify_checkpoint`` checked).
+
+    Raises:
+        DamagedCheckpointError: a file is missing or truncated (one line naming it).
     """
     path = Path(path)
+    verified = verified_checks(path)
     if path.is_file():
-        return _inspect_file(path)
+        return {**_inspect_file(path), "verified": verified}
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
     metadata = FileSystemReader(path).read_metadata()
@@ -189,6 +199,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "tensor_names": sorted(model),
         "num_optimizers": info.get("num_optimizers", len(optimizers)),
         "size_bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+        "verified": verified,
     }
 
 
@@ -208,6 +219,7 @@ def render_inspection(info: Mapping[str, Any]):
         ("tensors (weights)", f"{info['num_tensors']:,}"),
         ("optimizers", str(info["num_optimizers"])),
         ("size on disk", _human_bytes(info["size_bytes"])),
+        ("verified", info.get("verified", "-")),
     ]
     for field, value in rows:
         table.add_row(field, value)

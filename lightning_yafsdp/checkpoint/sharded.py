@@ -52,6 +52,7 @@ from lightning_yafsdp.checkpoint.trees import (
     set_nested,
     to_flat_ranges,
 )
+from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.sharded_param import ShardedTensor
 
@@ -177,8 +178,9 @@ def load_sharded(
     """Load a sharded checkpoint written at any world size into ``engine`` and ``optimizers``.
 
     Collective. Each rank reads exactly the elements it owns under its own
-    layout. Everything is checked against the checkpoint's metadata first:
-    when a check fails nothing is modified.
+    layout. Every file is verified first ([Note: verify before reading]) and
+    everything is checked against the checkpoint's metadata: when a check fails
+    nothing is modified.
 
     Args:
         optimizers: loaded when given (their count must match the checkpoint's);
@@ -193,10 +195,12 @@ def load_sharded(
 
     Raises:
         NotACheckpointError: ``path`` is not a sharded checkpoint.
+        DamagedCheckpointError: a file is missing or truncated (rank 0 names it).
         CheckpointMismatchError: names, shapes, optimizer count or param groups differ.
     """
     path = Path(path)
     _recover(path, engine)
+    verify_on_rank_zero(path, group=engine.group)
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
     layout = CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
