@@ -92,13 +92,34 @@ def _truncate_single_file(ckpt: Path) -> Path:
     return ckpt
 
 
+def _without_manifest(damage: Callable[[Path], Path]) -> Callable[[Path], Path]:
+    """The same damage to a directory saved before manifests existed (sizes from .metadata)."""
+
+    def damage_old_checkpoint(ckpt: Path) -> Path:
+        (ckpt / "yafsdp-manifest.json").unlink()
+        return damage(ckpt)
+
+    return damage_old_checkpoint
+
+
 # kind -> (which saved checkpoint, how it is damaged, words the message must hold)
 DAMAGE: dict[str, tuple[str, Callable[[Path], Path], str]] = {
     "truncated shard": ("step-1.ckpt", _truncate_shard, "is truncated: "),
-    "truncated meta.pt": ("step-1.ckpt", _truncate_meta, "is truncated or corrupt"),
+    "truncated meta.pt": ("step-1.ckpt", _truncate_meta, "is truncated: "),
     "missing .metadata": ("step-1.ckpt", _delete_metadata, "is missing"),
     "missing rank file": ("step-1.ckpt", _delete_rank_file, "is missing (rank 1's data"),
     "truncated single file": ("full-step-1.ckpt", _truncate_single_file, "is truncated"),
+    "old: truncated shard": ("step-1.ckpt", _without_manifest(_truncate_shard), "is truncated: "),
+    "old: truncated meta.pt": (
+        "step-1.ckpt",
+        _without_manifest(_truncate_meta),
+        "is truncated or corrupt",
+    ),
+    "old: missing rank file": (
+        "step-1.ckpt",
+        _without_manifest(_delete_rank_file),
+        "is missing (rank 1's data; .metadata lists it)",
+    ),
 }
 
 
@@ -158,6 +179,28 @@ def test_an_intact_checkpoint_is_inspected_as_verified(saved, capsys) -> None:
         info = json.loads(capsys.readouterr().out)
         assert info["verified"] == "sizes and file structure"
         assert info["world_size"] == 2
+    assert main(["inspect", str(saved / "step-1.ckpt"), "--json", "--verify"]) == 0
+    verified = json.loads(capsys.readouterr().out)["verified"]
+    assert verified == "sizes, file structure and CRC-32 checksums"
+
+
+def test_inspect_verify_finds_a_changed_byte_that_sizes_cannot(saved, tmp_path, capsys) -> None:
+    checkpoint = tmp_path / "checkpoints" / "step-1.ckpt"
+    shutil.copytree(saved / "step-1.ckpt", checkpoint)
+    shard = checkpoint / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: same size, other contents
+    shard.write_bytes(bytes(data))
+    before = _tree_hash(checkpoint)
+
+    assert main(["inspect", str(checkpoint)]) == 0  # sizes alone cannot tell
+    capsys.readouterr()
+    assert main(["inspect", str(checkpoint), "--verify"]) == 2
+
+    message = capsys.readouterr().err
+    assert "\n" not in message.strip()
+    assert repr(str(shard)) in message and "does not match its checksum" in message, message
+    assert _tree_hash(checkpoint) == before
 
 
 def test_load_from_checkpoint_refuses_a_damaged_checkpoint(saved, tmp_path) -> None:

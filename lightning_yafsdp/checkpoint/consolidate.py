@@ -149,8 +149,13 @@ def export_checkpoint(
     return target
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """What a checkpoint is, without reading its tensors.
+def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, Any]:
+    """What a checkpoint is, without reading its tensors (unless ``checksums``).
+
+    Args:
+        path: a sharded checkpoint directory or a single-file checkpoint.
+        checksums: also compare every file with the CRC-32 recorded at save (reads
+            every byte); default False checks sizes and structure only.
 
     Returns:
         ``path``, ``kind`` ("sharded" or "full"), ``step`` (Lightning's
@@ -165,7 +170,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         DamagedCheckpointError: a file is missing or truncated (one line naming it).
     """
     path = Path(path)
-    verified = verified_checks(path)
+    verified = verified_checks(path, checksums=checksums)
     if path.is_file():
         return {**_inspect_file(path), "verified": verified}
     if not is_sharded_checkpoint(path):

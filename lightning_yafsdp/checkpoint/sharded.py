@@ -9,6 +9,8 @@ utility reads it)::
       meta.pt              rank 0: everything that is not weights or optimizer
                            state (Lightning's loops, schedulers, callbacks; the
                            torch API's ``extra``) plus a ``"yafsdp"`` entry
+      yafsdp-manifest.json rank 0: every file's size and CRC-32 ([Note: checkpoint
+                           manifest]); readers ignore it, ``verify.py`` checks it
 
 DCP keys: ``model`` -> ``{name: tensor}``, ``optimizer_<i>`` -> the name-keyed
 optimizer state of ``optimizer_state.py`` (every param group with its
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
+from lightning_yafsdp.checkpoint.manifest import write_manifest
 from lightning_yafsdp.checkpoint.optimizer_state import (
     check_state_names,
     load_optimizer_state,
@@ -143,6 +146,7 @@ def save_sharded(
         if engine.rank == 0:
             torch.save(meta, tmp / META_FILENAME)
             atomic.fsync_file(tmp / META_FILENAME)
+        write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=engine.group)
 
 
 def format_info(

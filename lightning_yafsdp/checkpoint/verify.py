@@ -8,9 +8,12 @@ loaded. Every reader (``load_sharded``, ``load_full``, ``load_lightning_checkpoi
 ``verify_checkpoint`` first. What it checks costs a few ``stat`` calls and reading
 two small files, never the tensors:
 
-- sharded directory: ``.metadata`` exists and unpickles; ``meta.pt`` exists and is
-  a complete torch (zip) file; every storage file that ``.metadata`` references
-  exists and is at least as long as the largest ``offset + length`` of its items.
+- sharded directory: every file the manifest lists ([Note: checkpoint manifest]; absent
+  from older directories) exists and has its recorded size; ``.metadata`` exists and
+  unpickles; ``meta.pt`` exists and is a complete torch (zip) file; every storage
+  file that ``.metadata`` references exists and is at least as long as the largest
+  ``offset + length`` of its items. On request (``checksums=True``, ``yafsdp inspect
+  --verify``) every file's CRC-32 is compared with the manifest's.
 - single file: a torch zip file has its central directory (it is written last, so
   any truncation removes it) and every entry lies inside the file. A legacy
   (non-zip) ``torch.save`` file cannot be checked this way and is left to
@@ -25,30 +28,33 @@ from __future__ import annotations
 import os
 import zipfile
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME
-from lightning_yafsdp.checkpoint.errors import (
-    CheckpointError,
-    DamagedCheckpointError,
-    NotACheckpointError,
-)
+from lightning_yafsdp.checkpoint.errors import DamagedCheckpointError, NotACheckpointError
+from lightning_yafsdp.checkpoint.manifest import MANIFEST_FILENAME, file_digest, read_manifest
 
 META_FILENAME = "meta.pt"  # sharded.META_FILENAME (sharded.py imports this module)
 _ZIP_MAGIC = b"PK\x03\x04"
-# Checked by sizes and structure; a legacy pickle file only by torch.load itself.
+# What was checked, as inspect shows it; a legacy pickle file only torch.load can check.
 CHECKED_BY_SIZES = "sizes and file structure"
+CHECKED_WITH_CHECKSUMS = "sizes, file structure and CRC-32 checksums"
+NO_CHECKSUMS_RECORDED = "sizes and file structure (no checksums were recorded at save)"
 NOT_CHECKED = "not checked (legacy torch.save file)"
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
+def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> None:
     """Raise if a checkpoint directory or file is incomplete; read no tensors.
 
     Args:
         path: a sharded checkpoint directory or a single-file checkpoint.
+        checksums: also compare every file of a sharded directory with the CRC-32
+            recorded at save ([Note: checkpoint manifest]); this reads every byte.
+            Default False: sizes and structure only (a few ``stat`` calls).
 
     Raises:
         NotACheckpointError: ``path`` does not exist.
@@ -56,17 +62,16 @@ def verify_checkpoint(path: str | os.PathLike) -> None:
             (missing, truncated: N of M bytes, unreadable) and which other
             checkpoints next to it can be used instead.
     """
-    verified_checks(path)
+    verified_checks(path, checksums=checksums)
 
 
-def verified_checks(path: str | os.PathLike) -> str:
+def verified_checks(path: str | os.PathLike, *, checksums: bool = False) -> str:
     """``verify_checkpoint``, returning what was checked (for ``inspect``'s table)."""
     path = Path(path)
     if path.is_file():
         return _verify_file(path, checkpoint=path)
     if looks_like_sharded_checkpoint(path):
-        _verify_directory(path)
-        return CHECKED_BY_SIZES
+        return _verify_directory(path, checksums=checksums)
     from lightning_yafsdp.checkpoint.sharded import describe_non_checkpoint
 
     raise NotACheckpointError(describe_non_checkpoint(path))
@@ -82,13 +87,13 @@ def verify_on_rank_zero(path: str | os.PathLike, *, group=None) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         verify_checkpoint(path)
         return
-    error: CheckpointError | None = None
+    error: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
             verify_checkpoint(path)
-        except CheckpointError as exc:
+        except Exception as exc:  # noqa: BLE001 - the others must hear of any failure
             error = exc
-    outcome = [type(error).__name__ if error is not None else None]
+    outcome: list[str | None] = [type(error).__name__ if error is not None else None]
     dist.broadcast_object_list(
         outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
     )
@@ -115,7 +120,8 @@ def looks_like_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return DCP_METADATA_FILENAME in names or any(n.endswith(".distcp") for n in names)
 
 
-def _verify_directory(path: Path) -> None:
+def _verify_directory(path: Path, *, checksums: bool) -> str:
+    """Sizes (manifest, then ``.metadata``), structure, and on request checksums."""
     metadata_file = path / DCP_METADATA_FILENAME
     if not metadata_file.is_file():
         shards = sorted(p.name for p in path.glob("*.distcp"))
@@ -126,22 +132,46 @@ def _verify_directory(path: Path) -> None:
             f"{' ...' if len(shards) > 4 else ''} but no index of them: a save that never "
             "finished, or a copy that skipped hidden files)",
         )
+    recorded = _recorded_digests(path)
+    for name, digest in (recorded or {}).items():
+        _check_size(path, path / name, digest["bytes"], listed_by=MANIFEST_FILENAME)
     metadata = _read_metadata(path, metadata_file)
     meta_file = path / META_FILENAME
     if not meta_file.is_file():
         _damaged(path, meta_file, "is missing (rank 0 writes it with the training state)")
     _verify_zip(meta_file, checkpoint=path)
     for name, needed in sorted(_bytes_needed(metadata).items()):
-        storage_file = path / name
-        if not storage_file.is_file():
+        _check_size(path, path / name, needed, listed_by=DCP_METADATA_FILENAME)
+    if not checksums:
+        return CHECKED_BY_SIZES
+    if recorded is None:
+        return NO_CHECKSUMS_RECORDED
+    for name, digest in recorded.items():
+        found = file_digest(path / name)["crc32"]
+        if found != digest["crc32"]:
             _damaged(
                 path,
-                storage_file,
-                f"is missing ({_writer(name)}{DCP_METADATA_FILENAME} lists data in it)",
+                path / name,
+                f"does not match its checksum (CRC-32 {found}, {digest['crc32']} when saved): "
+                "its contents changed after the save",
             )
-        size = storage_file.stat().st_size
-        if size < needed:
-            _damaged(path, storage_file, f"is truncated: {size:,} of {needed:,} bytes")
+    return CHECKED_WITH_CHECKSUMS
+
+
+def _recorded_digests(path: Path) -> dict[str, dict] | None:
+    try:
+        return read_manifest(path)
+    except ValueError as exc:
+        _damaged(path, path / MANIFEST_FILENAME, f"cannot be read: {exc}")
+
+
+def _check_size(checkpoint: Path, file: Path, needed: int, *, listed_by: str) -> None:
+    """``file`` must exist and hold at least ``needed`` bytes (what ``listed_by`` records)."""
+    if not file.is_file():
+        _damaged(checkpoint, file, f"is missing ({_writer(file.name)}{listed_by} lists it)")
+    size = file.stat().st_size
+    if size < needed:
+        _damaged(checkpoint, file, f"is truncated: {size:,} of {needed:,} bytes")
 
 
 def _read_metadata(path: Path, metadata_file: Path) -> Metadata:
@@ -207,7 +237,7 @@ def _verify_zip(path: Path, *, checkpoint: Path) -> None:
 # -- the message -----------------------------------------------------------------------
 
 
-def _damaged(checkpoint: Path, bad_file: Path, what: str) -> None:
+def _damaged(checkpoint: Path, bad_file: Path, what: str) -> NoReturn:
     raise DamagedCheckpointError(
         f"damaged checkpoint: {str(bad_file)!r} {what}; nothing was loaded from it. "
         f"{_alternatives(checkpoint)}"
