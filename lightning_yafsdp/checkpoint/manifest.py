@@ -87,6 +87,8 @@ def read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
         return None
     try:
         files = json.loads(path.read_text())["files"]
+        if any("/" in name or "\\" in name or name.startswith("..") for name in files):
+            raise ValueError("a file name points outside the checkpoint directory")
         return {
             str(name): {"bytes": int(d["bytes"]), "crc32": str(d["crc32"])}
             for name, d in files.items()

@@ -69,7 +69,7 @@ def verified_checks(path: str | os.PathLike, *, checksums: bool = False) -> str:
     """``verify_checkpoint``, returning what was checked (for ``inspect``'s table)."""
     path = Path(path)
     if path.is_file():
-        return _verify_file(path, checkpoint=path)
+        return _verify_torch_file(path, checkpoint=path)
     if looks_like_sharded_checkpoint(path):
         return _verify_directory(path, checksums=checksums)
     from lightning_yafsdp.checkpoint.sharded import describe_non_checkpoint
@@ -117,7 +117,9 @@ def looks_like_sharded_checkpoint(path: str | os.PathLike) -> bool:
     if not path.is_dir():
         return False
     names = {p.name for p in path.iterdir()}
-    return DCP_METADATA_FILENAME in names or any(n.endswith(".distcp") for n in names)
+    return bool({DCP_METADATA_FILENAME, MANIFEST_FILENAME} & names) or any(
+        n.endswith(".distcp") for n in names
+    )
 
 
 def _verify_directory(path: Path, *, checksums: bool) -> str:
@@ -139,7 +141,7 @@ def _verify_directory(path: Path, *, checksums: bool) -> str:
     meta_file = path / META_FILENAME
     if not meta_file.is_file():
         _damaged(path, meta_file, "is missing (rank 0 writes it with the training state)")
-    _verify_zip(meta_file, checkpoint=path)
+    _verify_torch_file(meta_file, checkpoint=path)
     for name, needed in sorted(_bytes_needed(metadata).items()):
         _check_size(path, path / name, needed, listed_by=DCP_METADATA_FILENAME)
     if not checksums:
@@ -207,7 +209,10 @@ def _writer(name: str) -> str:
 # -- single files ----------------------------------------------------------------------
 
 
-def _verify_file(path: Path, *, checkpoint: Path) -> str:
+def _verify_torch_file(path: Path, *, checkpoint: Path) -> str:
+    """A ``torch.save`` file: not empty, and complete if it is a zip (every modern one)."""
+    if path.stat().st_size == 0:
+        _damaged(checkpoint, path, "is empty (0 bytes)")
     with open(path, "rb") as stream:
         is_zip = stream.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
     if not is_zip:
