@@ -83,10 +83,11 @@ def load_lightning_checkpoint(
             is missing or truncated: rank 0 names the file, the other ranks point to rank 0.
     """
     path = Path(path)
-    verify_on_rank_zero(path, group=engine.group)
     if path.is_file():
+        # load_full verifies on every rank (it is not collective); here rank 0 speaks first.
+        verify_on_rank_zero(path, group=engine.group)
         rest = load_full(path, engine, optimizers=optimizers, strict=strict)
-    else:
+    else:  # recovers an interrupted commit, then verifies on rank 0
         rest = load_sharded(path, engine, optimizers=optimizers, strict=strict)
     rest[STATE_DICT_KEY] = module_state(engine)
     return rest
