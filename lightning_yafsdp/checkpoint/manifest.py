@@ -40,33 +40,47 @@ def file_digest(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "crc32": f"{crc:08x}"}
 
 
-def write_manifest(directory: Path, *, rank_zero_files: tuple[str, ...], group=None) -> None:
+def write_manifest(
+    directory: Path,
+    *,
+    rank_zero_files: tuple[str, ...],
+    group=None,
+    failure: BaseException | None = None,
+) -> None:
     """Collective: digest each rank's own files and write the manifest on rank 0.
 
     Args:
         directory: the (temporary) checkpoint directory, every file already written.
         rank_zero_files: names rank 0 wrote besides its DCP data (``meta.pt``).
         group: the process group that saved (None: the default group, or no group).
+        failure: this rank's error while writing its files; every rank still calls
+            in, so none waits forever, and nothing is written.
 
     Raises:
-        OSError: on every rank when any rank could not read its files back.
+        BaseException: ``failure`` itself, on the rank that passed it.
+        OSError: on the other ranks when any rank failed or could not read its files.
     """
     rank, world_size = _rank_and_size(group)
-    own = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
-    if rank == 0:
-        own += [DCP_METADATA_FILENAME, *rank_zero_files]
-    try:
-        digests, error = {name: file_digest(directory / name) for name in own}, None
-    except OSError as exc:
-        digests, error = {}, f"rank {rank}: {type(exc).__name__}: {exc}"
+    digests: dict[str, Any] = {}
+    error = None if failure is None else f"rank {rank}: {type(failure).__name__}: {failure}"
+    if failure is None:
+        own = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+        if rank == 0:
+            own += [DCP_METADATA_FILENAME, *rank_zero_files]
+        try:
+            digests = {name: file_digest(directory / name) for name in own}
+        except OSError as exc:
+            error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered: list[Any] = [(digests, error)]
     if world_size > 1:
         gathered = [None] * world_size
         dist.all_gather_object(gathered, (digests, error), group=group)
     errors = [e for _, e in gathered if e is not None]
+    if failure is not None:
+        raise failure
     if errors:
         raise OSError(
-            f"reading the written files back for the manifest failed ({'; '.join(errors)})"
+            f"writing the checkpoint files or reading them back failed ({'; '.join(errors)})"
         )
     if rank == 0:
         files = {name: digest for d, _ in gathered for name, digest in d.items()}

@@ -143,10 +143,17 @@ def save_sharded(
             planner=RangeSavePlanner(),
             process_group=engine.group,
         )
+        meta_failure = None
         if engine.rank == 0:
-            torch.save(meta, tmp / META_FILENAME)
-            atomic.fsync_file(tmp / META_FILENAME)
-        write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=engine.group)
+            try:
+                torch.save(meta, tmp / META_FILENAME)
+                atomic.fsync_file(tmp / META_FILENAME)
+            except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
+                meta_failure = exc
+        # Collective even when meta.pt failed, so no rank is left waiting in it.
+        write_manifest(
+            tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure
+        )
 
 
 def format_info(
