@@ -77,10 +77,16 @@ def _read_sharded_directories_in_load_from_checkpoint() -> None:
 def _reading_sharded_directories(reader: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(reader)
     def read_checkpoint(path_or_url: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(path_or_url, (str, os.PathLike)) and os.path.isdir(path_or_url):
-            from lightning_yafsdp.checkpoint.sharded import is_sharded_checkpoint
+        if isinstance(path_or_url, (str, os.PathLike)):
+            from lightning_yafsdp.checkpoint.verify import (
+                looks_like_sharded_checkpoint,
+                verify_checkpoint,
+            )
 
-            if is_sharded_checkpoint(path_or_url):
+            # A truncated file or shard otherwise fails deep in torch.load, naming no file.
+            if os.path.isfile(path_or_url) or looks_like_sharded_checkpoint(path_or_url):
+                verify_checkpoint(path_or_url)
+            if looks_like_sharded_checkpoint(path_or_url):
                 return _lightning_checkpoint_from_directory(path_or_url, *args, **kwargs)
         return reader(path_or_url, *args, **kwargs)
 

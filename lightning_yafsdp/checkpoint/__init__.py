@@ -13,7 +13,8 @@ its element ranges as boxes, ``ranges.py``) plus ``meta.pt``, the layout Lightni
 FSDP strategy writes, so ``python -m lightning.pytorch.utilities.consolidate_checkpoint``
 turns it into a single file. Optimizer state is per parameter, by name, with every
 param group's hyperparameters (``optimizer_state.py``); a full file uses torch's own
-optimizer layout (``torch_layout.py``), so DDP loads it. Saves are atomic (``atomic.py``).
+optimizer layout (``torch_layout.py``), so DDP loads it. Saves are atomic (``atomic.py``);
+every reader first checks that no file is missing or truncated (``verify.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from lightning_yafsdp.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointSaveError,
+    DamagedCheckpointError,
     NotACheckpointError,
 )
 from lightning_yafsdp.checkpoint.full import load_full, save_full
@@ -55,6 +57,7 @@ from lightning_yafsdp.checkpoint.state import (
     load_full_model_state_dict,
     sharded_model_state_dict,
 )
+from lightning_yafsdp.checkpoint.verify import verify_checkpoint
 from lightning_yafsdp.core import YaFSDPEngine
 
 
@@ -103,6 +106,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointSaveError",
+    "DamagedCheckpointError",
     "FlatRange",
     "NotACheckpointError",
     "consolidate_checkpoint",
@@ -125,4 +129,5 @@ __all__ = [
     "save_sharded",
     "sharded_model_state_dict",
     "sharded_optimizer_state_dict",
+    "verify_checkpoint",
 ]

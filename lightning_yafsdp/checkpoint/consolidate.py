@@ -45,6 +45,7 @@ from lightning_yafsdp.checkpoint.sharded import (
     is_sharded_checkpoint,
 )
 from lightning_yafsdp.checkpoint.trees import lists_from_int_keys, set_nested
+from lightning_yafsdp.checkpoint.verify import verified_checks, verify_checkpoint
 
 ExportFormat = Literal["safetensors", "pt"]
 
@@ -56,9 +57,13 @@ def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = Fals
     builds: ``{"model": {name: tensor}, "optimizer_0": {...}, **meta.pt}``. With
     ``weights_only`` only ``"model"`` is read. A single-file checkpoint is returned
     as loaded. Needs the whole model in CPU memory.
+
+    Raises:
+        DamagedCheckpointError: a file is missing or truncated (checked before reading).
     """
     path = Path(path)
     atomic.recover(path)
+    verify_checkpoint(path)
     if path.is_file():
         return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     if not is_sharded_checkpoint(path):
@@ -217,8 +222,13 @@ def _weights_writer(state: dict[str, torch.Tensor], *, fmt: ExportFormat):
     return lambda path: save_file(tensors, path, metadata={"format": "pt"})
 
 
-def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """What a checkpoint is, without reading its tensors.
+def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, Any]:
+    """What a checkpoint is, without reading its tensors (unless ``checksums``).
+
+    Args:
+        path: a sharded checkpoint directory or a single-file checkpoint.
+        checksums: also compare every file with the CRC-32 recorded at save (reads
+            every byte); default False checks sizes and structure only.
 
     Returns:
         ``path``, ``kind`` ("sharded" or "full"), ``step`` (Lightning's
@@ -226,11 +236,16 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         ``world_size`` (ranks that wrote it; None for foreign full files),
         ``parameter_count`` (elements of the unique trainable parameters, or of
         every floating tensor in the weights when unknown), ``num_tensors``,
-        ``tensor_names`` (weights), ``num_optimizers``, ``size_bytes`` (on disk).
+        ``tensor_names`` (weights), ``num_optimizers``, ``size_bytes`` (on disk),
+        ``verified`` (what ``verify_checkpoint`` checked).
+
+    Raises:
+        DamagedCheckpointError: a file is missing or truncated (one line naming it).
     """
     path = Path(path)
+    verified = verified_checks(path, checksums=checksums)
     if path.is_file():
-        return _inspect_file(path)
+        return {**_inspect_file(path), "verified": verified}
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
     metadata = FileSystemReader(path).read_metadata()
@@ -262,6 +277,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         "tensor_names": sorted(model),
         "num_optimizers": info.get("num_optimizers", len(optimizers)),
         "size_bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+        "verified": verified,
     }
 
 
@@ -281,6 +297,7 @@ def render_inspection(info: Mapping[str, Any]):
         ("tensors (weights)", f"{info['num_tensors']:,}"),
         ("optimizers", str(info["num_optimizers"])),
         ("size on disk", _human_bytes(info["size_bytes"])),
+        ("verified", info.get("verified", "-")),
     ]
     for field, value in rows:
         table.add_row(field, value)

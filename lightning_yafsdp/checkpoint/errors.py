@@ -15,6 +15,10 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint does not fit the model or optimizers it is loaded into."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint file is missing, truncated or unreadable; nothing was loaded from it."""
+
+
 class CheckpointSaveError(CheckpointError):
     """A save failed on at least one rank; raised on every rank, the old checkpoint kept."""
 

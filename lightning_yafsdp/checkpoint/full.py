@@ -43,6 +43,7 @@ from lightning_yafsdp.checkpoint.torch_layout import (
     to_torch_layout,
 )
 from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves
+from lightning_yafsdp.checkpoint.verify import verify_checkpoint
 from lightning_yafsdp.core import YaFSDPEngine
 
 STATE_DICT_KEY = "state_dict"
@@ -119,11 +120,13 @@ def load_full(
 
     Raises:
         NotACheckpointError: not a file ``torch.load`` can read.
+        DamagedCheckpointError: the file is truncated ([Note: verify before reading]).
         CheckpointMismatchError: names, shapes or optimizers do not match.
     """
     path = Path(path)
     if not path.is_file():
         raise NotACheckpointError(describe_non_checkpoint(path))
+    verify_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as exc:

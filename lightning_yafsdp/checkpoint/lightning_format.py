@@ -27,6 +27,7 @@ from lightning_yafsdp.checkpoint.full import (
 )
 from lightning_yafsdp.checkpoint.sharded import load_sharded, save_sharded
 from lightning_yafsdp.checkpoint.state import module_state
+from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
 
 StateDictType = Literal["sharded", "full"]
@@ -76,11 +77,17 @@ def load_lightning_checkpoint(
     state dict file. The returned dict's ``"state_dict"`` is the module's
     ``state_dict()`` after loading (sharded views), for hooks and callbacks that
     read it (``WeightAveraging.on_load_checkpoint``).
+
+    Raises:
+        DamagedCheckpointError: before anything is loaded, when a file of the checkpoint
+            is missing or truncated: rank 0 names the file, the other ranks point to rank 0.
     """
     path = Path(path)
     if path.is_file():
+        # load_full verifies on every rank (it is not collective); here rank 0 speaks first.
+        verify_on_rank_zero(path, group=engine.group)
         rest = load_full(path, engine, optimizers=optimizers, strict=strict)
-    else:
+    else:  # recovers an interrupted commit, then verifies on rank 0
         rest = load_sharded(path, engine, optimizers=optimizers, strict=strict)
     rest[STATE_DICT_KEY] = module_state(engine)
     return rest

@@ -9,6 +9,8 @@ utility reads it)::
       meta.pt              rank 0: everything that is not weights or optimizer
                            state (Lightning's loops, schedulers, callbacks; the
                            torch API's ``extra``) plus a ``"yafsdp"`` entry
+      yafsdp-manifest.json rank 0: every file's size and CRC-32 ([Note: checkpoint
+                           manifest]); readers ignore it, ``verify.py`` checks it
 
 DCP keys: ``model`` -> ``{name: tensor}``, ``optimizer_<i>`` -> the name-keyed
 optimizer state of ``optimizer_state.py`` (every param group with its
@@ -37,6 +39,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
+from lightning_yafsdp.checkpoint.manifest import write_manifest
 from lightning_yafsdp.checkpoint.optimizer_state import (
     check_state_names,
     load_optimizer_state,
@@ -52,6 +55,7 @@ from lightning_yafsdp.checkpoint.trees import (
     set_nested,
     to_flat_ranges,
 )
+from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.sharded_param import ShardedTensor
 
@@ -139,9 +143,17 @@ def save_sharded(
             planner=RangeSavePlanner(),
             process_group=engine.group,
         )
+        meta_failure = None
         if engine.rank == 0:
-            torch.save(meta, tmp / META_FILENAME)
-            atomic.fsync_file(tmp / META_FILENAME)
+            try:
+                torch.save(meta, tmp / META_FILENAME)
+                atomic.fsync_file(tmp / META_FILENAME)
+            except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
+                meta_failure = exc
+        # Collective even when meta.pt failed, so no rank is left waiting in it.
+        write_manifest(
+            tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure
+        )
 
 
 def format_info(
@@ -177,8 +189,9 @@ def load_sharded(
     """Load a sharded checkpoint written at any world size into ``engine`` and ``optimizers``.
 
     Collective. Each rank reads exactly the elements it owns under its own
-    layout. Everything is checked against the checkpoint's metadata first:
-    when a check fails nothing is modified.
+    layout. Every file is verified first ([Note: verify before reading]) and
+    everything is checked against the checkpoint's metadata: when a check fails
+    nothing is modified.
 
     Args:
         optimizers: loaded when given (their count must match the checkpoint's);
@@ -193,10 +206,12 @@ def load_sharded(
 
     Raises:
         NotACheckpointError: ``path`` is not a sharded checkpoint.
+        DamagedCheckpointError: a file is missing or truncated (rank 0 names it).
         CheckpointMismatchError: names, shapes, optimizer count or param groups differ.
     """
     path = Path(path)
     _recover(path, engine)
+    verify_on_rank_zero(path, group=engine.group)
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
     layout = CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())

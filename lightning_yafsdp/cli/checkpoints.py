@@ -69,11 +69,19 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
 
     inspect = commands.add_parser(
         "inspect",
-        help="show a checkpoint's step, world size, parameter count and size",
-        description="Read a checkpoint's metadata (no tensors) and print a table.",
+        help="check a checkpoint is complete; show its step, world size, parameters and size",
+        description="Check that no file of a checkpoint is missing or truncated, read its "
+        "metadata (no tensors) and print a table. A damaged checkpoint is named in one line "
+        "(exit code 2).",
     )
     inspect.add_argument("checkpoint", help="checkpoint directory (sharded) or file (full)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="also compare every file with the CRC-32 checksum recorded at save (reads "
+        "every byte; sharded checkpoints)",
+    )
 
 
 def run_export(options: argparse.Namespace) -> int:
@@ -115,7 +123,7 @@ def run_inspect(options: argparse.Namespace) -> int:
     from lightning_yafsdp.checkpoint import CheckpointError, inspect_checkpoint, render_inspection
 
     try:
-        info = inspect_checkpoint(options.checkpoint)
+        info = inspect_checkpoint(options.checkpoint, checksums=options.verify)
     except (CheckpointError, OSError) as err:
         print(f"yafsdp inspect: {err}", file=sys.stderr)
         return 2
