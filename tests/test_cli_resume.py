@@ -172,3 +172,21 @@ def test_missing_inputs_fail_in_one_line_before_anything_is_written(
 def test_estimate_of_a_missing_local_model_does_not_reach_for_the_hub(tmp_path, capsys) -> None:
     assert main(["estimate", "model.kind=hf", f"model.hf_path={tmp_path / 'gone'}"]) == 2
     assert "does not exist: it must be a local Hugging Face model" in capsys.readouterr().err
+
+
+def test_resume_from_a_damaged_checkpoint_names_the_file_and_changes_nothing(
+    runs, tmp_path, monkeypatch, capsys
+) -> None:
+    import shutil
+
+    damaged = tmp_path / "step.ckpt"
+    shutil.copytree(next(runs["run_dir"].glob(f"checkpoints/*step={MIDDLE}.ckpt")), damaged)
+    shard = damaged / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    before = {p: p.read_bytes() for p in damaged.iterdir()}
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--resume", str(damaged), "trainer.run_name=d"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "__1_0.distcp" in err and "truncated" in err
+    assert {p: p.read_bytes() for p in damaged.iterdir()} == before
+    assert not (tmp_path / "runs").exists()

@@ -179,6 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"yafsdp {options.command}: config error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # imported only now: `yafsdp --help` stays free of torch
+        from lightning_yafsdp.checkpoint.errors import CheckpointError
+
+        if not isinstance(err, CheckpointError):
+            raise
+        print(f"yafsdp {options.command}: {err}", file=sys.stderr)  # e.g. a damaged resume
+        return 2
 
 
 def _train(options: argparse.Namespace) -> int:

@@ -73,8 +73,9 @@ def plan_start(run_dir: Path, resume: str | None) -> RunStart:
 
     Raises:
         ConfigError: ``--resume`` finds no checkpoint, the path does not exist or is
-            not a readable checkpoint, or (without ``--resume``) the run folder
-            already holds a run.
+            not a checkpoint, or (without ``--resume``) the run folder already holds
+            a run.
+        DamagedCheckpointError: the checkpoint has a missing or truncated file.
     """
     from lightning_yafsdp.training.runner import is_rank_zero
 
@@ -128,11 +129,21 @@ def _latest_checkpoint(run_dir: Path) -> Path:
 
 
 def _read_start(path: Path) -> RunStart:
-    from lightning_yafsdp.checkpoint import CheckpointError, inspect_checkpoint
+    """What a checkpoint resumes; a damaged one raises ``DamagedCheckpointError``
+    (one line naming the bad file) before anything reads it."""
+    from lightning_yafsdp.checkpoint import (
+        CheckpointError,
+        DamagedCheckpointError,
+        inspect_checkpoint,
+        verify_checkpoint,
+    )
 
     try:
+        verify_checkpoint(path)
         info = inspect_checkpoint(path)
         history = _run_history(path)
+    except DamagedCheckpointError:
+        raise
     except (CheckpointError, OSError, RuntimeError, EOFError) as err:
         raise ConfigError(f"cannot resume from {path}: {err}") from err
     return RunStart(checkpoint=path, step=int(info.get("step") or 0), tokens=history.get("tokens"))
