@@ -4,8 +4,8 @@ A recipe is a YAML file merged over these dataclasses with omegaconf, then the
 command line's ``key=value`` overrides over that. Every default here is the
 embedded default recipe (``recipes/tiny-cpu.yaml`` spells the same values out):
 a tiny Llama trained on the Python standard library's own sources, byte-level, on
-two CPU processes, in about two minutes. So ``yafsdp train`` with no recipe works
-from any directory, with nothing to download.
+two CPU processes, in about two and a half minutes. So ``yafsdp train`` with no recipe
+works from any directory, with nothing to download.
 
 [Note: config validation] Everything that can be checked without starting a
 process is checked in :func:`load_config`: unknown keys (with the closest valid

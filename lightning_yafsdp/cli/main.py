@@ -30,7 +30,7 @@ LATEST = "latest"
 
 _EPILOG = """\
 examples:
-  yafsdp train                                  tiny Llama on CPU, 2 processes, ~2 minutes
+  yafsdp train                                  tiny Llama on CPU, 2 processes, ~2.5 minutes
   yafsdp train recipes/llama-1b.yaml trainer.devices=8 optim.lr=3e-4
   yafsdp estimate llama3-8b trainer.devices=8
   yafsdp prepare --source text --path corpus/ --output data/corpus.bin
