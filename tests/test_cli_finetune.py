@@ -60,7 +60,7 @@ def test_finetune_resume_inspect_and_export_a_local_hf_model(tmp_path: Path) -> 
     checkpoints = tmp_path / "runs" / "ft" / "checkpoints"
     assert (checkpoints / "last.ckpt").exists()
 
-    second = _yafsdp(*TRAIN, "trainer.max_steps=9", cwd=tmp_path, timeout=240)
+    second = _yafsdp(*TRAIN, "trainer.max_steps=9", "--resume", cwd=tmp_path, timeout=240)
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-3000:]
     assert "Restored all states from the checkpoint" in second.stdout + second.stderr
     summary = json.loads((tmp_path / "runs" / "ft" / "summary.json").read_text())
