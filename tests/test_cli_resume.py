@@ -185,8 +185,75 @@ def test_resume_from_a_damaged_checkpoint_names_the_file_and_changes_nothing(
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     before = {p: p.read_bytes() for p in damaged.iterdir()}
     monkeypatch.chdir(tmp_path)
-    assert main(["train", "--resume", str(damaged), "trainer.run_name=d"]) == 2
+    assert main(["train", "tiny-cpu", "--resume", str(damaged), "trainer.run_name=d"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "__1_0.distcp" in err and "truncated" in err
     assert {p: p.read_bytes() for p in damaged.iterdir()} == before
     assert not (tmp_path / "runs").exists()
+
+
+def _snapshot(folder: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_a_finished_run_is_not_resumed_and_not_touched(runs, capsys) -> None:
+    before = _snapshot(runs["run_dir"])
+    # `--resume RUN_FOLDER` is the run from its newest checkpoint, here at max_steps.
+    assert main(["train", "--resume", str(runs["run_dir"])]) == 2
+    err = capsys.readouterr().err
+    assert f"at step {STEPS}, and trainer.max_steps={STEPS}: nothing to train" in err
+    assert _snapshot(runs["run_dir"]) == before
+
+
+def test_a_checkpoint_outside_any_run_needs_its_recipe(runs, tmp_path, capsys) -> None:
+    import shutil
+
+    loose = tmp_path / "loose.ckpt"
+    shutil.copytree(runs["run_dir"] / "checkpoints" / "last.ckpt", loose)
+    assert main(["train", "--resume", str(loose)]) == 2
+    assert "is in no run folder" in capsys.readouterr().err
+
+
+def test_a_copied_run_folder_continues_in_the_copy(runs, tmp_path, capsys) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(runs["run_dir"], copy)
+    assert main(["train", str(copy / "config.yaml"), "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert f"output_dir: {tmp_path}\n" in out and "run_name: copy\n" in out
+
+
+def test_a_bare_resume_skips_a_damaged_newest_checkpoint(runs, tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "r"
+    shutil.copytree(runs["run_dir"], copy)
+    newest = copy / "checkpoints" / "last-v1.ckpt"
+    shard = newest / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    start = plan_start(copy, LATEST)
+    assert start.checkpoint != newest and start.step == STEPS  # the other step-12 state
+    assert any("skipped last-v1.ckpt" in note and "truncated" in note for note in start.notes)
+
+
+def test_a_failed_resume_leaves_the_run_folder_as_it_was(runs, tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "runs" / "f"
+    shutil.copytree(runs["run_dir"], copy)
+    before = _snapshot(copy)
+    middle = next(copy.glob(f"checkpoints/*step={MIDDLE}.ckpt"))
+    failed = _yafsdp(
+        "train",
+        "runs/f/config.yaml",
+        "--resume",
+        str(middle.relative_to(tmp_path)),
+        "model.dim=32",
+        "trainer.devices=1",
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert failed.returncode != 0
+    assert "model.layers.0.attention" in failed.stderr or "shape" in failed.stderr
+    assert _snapshot(copy) == before

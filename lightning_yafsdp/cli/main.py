@@ -14,7 +14,6 @@ import sys
 import textwrap
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lightning_yafsdp import __version__
@@ -189,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(options: argparse.Namespace) -> int:
-    from lightning_yafsdp.config import to_yaml
+    from lightning_yafsdp.config import ConfigError, to_yaml
 
     config, resume = _train_config(options)  # fails here, before any process starts
     # Lightning's own deprecation chatter (not actionable by the user of a recipe).
@@ -203,6 +202,11 @@ def _train(options: argparse.Namespace) -> int:
     run_dir = run_dir_of(config)
     config.trainer.run_name = run_dir.name  # decided once: printed, saved, resumable
     start = plan_start(run_dir, resume)
+    if start.checkpoint is not None and start.step >= config.trainer.max_steps:
+        raise ConfigError(
+            f"{start.checkpoint} is at step {start.step}, and trainer.max_steps="
+            f"{config.trainer.max_steps}: nothing to train; raise trainer.max_steps to continue"
+        )
     if is_rank_zero() and not options.quiet:
         from rich.console import Console
         from rich.syntax import Syntax
@@ -213,14 +217,14 @@ def _train(options: argparse.Namespace) -> int:
 
 
 def _train_config(options: argparse.Namespace) -> tuple[RunConfig, str | None]:
-    """The recipe of ``yafsdp train`` and its ``--resume`` value.
+    """The recipe of ``yafsdp train`` and its ``--resume`` value (``interpret_resume``).
 
-    A bare ``--resume`` followed by an override (``--resume optim.lr=1e-4``) takes the
-    override as one; a recipe that is a run's config.yaml, or (without a recipe) the
-    run a ``--resume PATH`` checkpoint belongs to, makes that run folder the run's.
+    A recipe that is a run's config.yaml makes that run folder the run's, wherever it
+    is now, unless the command line names another (``trainer.run_name`` /
+    ``trainer.output_dir``).
     """
     from lightning_yafsdp.config import ConfigError, load_config
-    from lightning_yafsdp.training.resume import LATEST, run_home_of
+    from lightning_yafsdp.training.resume import LATEST, interpret_resume
     from lightning_yafsdp.training.runner import is_rank_zero
 
     recipe, overrides = _split_recipe(options.args)
@@ -228,15 +232,10 @@ def _train_config(options: argparse.Namespace) -> tuple[RunConfig, str | None]:
         if recipe is not None:
             raise ConfigError(f"two recipes given: {recipe!r} and --config {options.config!r}")
         recipe = options.config
-    resume = options.resume
-    if resume not in (None, LATEST) and "=" in resume and not Path(resume).exists():
-        overrides, resume = [*overrides, resume], LATEST
-    home = run_home_of(Path(recipe)) if recipe and Path(recipe).is_file() else None
-    if recipe is None and resume not in (None, LATEST):
-        home = run_home_of(Path(resume))
-        recipe = str(home / "config.yaml") if home else None
+    recipe, overrides, resume, home = interpret_resume(recipe, overrides, options.resume)
     config = load_config(recipe, overrides)
-    if home is not None and config.trainer.run_name in (None, home.name):
+    renamed = any(o.startswith(("trainer.run_name=", "trainer.output_dir=")) for o in overrides)
+    if home is not None and not renamed:
         config.trainer.output_dir, config.trainer.run_name = str(home.parent), home.name
     named = config.trainer.run_name or os.environ.get("SLURM_JOB_ID")
     if resume == LATEST and not named and is_rank_zero():

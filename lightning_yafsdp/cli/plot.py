@@ -35,5 +35,8 @@ def run_plot(options: argparse.Namespace) -> int:
     except PlotError as err:
         print(f"yafsdp plot: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # an --output that cannot be written
+        print(f"yafsdp plot: cannot write {options.output or 'the plot'}: {err}", file=sys.stderr)
+        return 2
     print(path)
     return 0

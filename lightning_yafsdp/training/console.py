@@ -131,7 +131,7 @@ def summary_table(facts: dict[str, Any], losses: Sequence[float]) -> Group:
     """The final summary: steps, tokens, speed, memory, losses and a loss sparkline."""
     table = Table(title="run summary", show_header=False)
     table.add_column(style="bold")
-    table.add_column(justify="right")
+    table.add_column(justify="right", overflow="fold")  # paths whole, over several lines
     for key, value in facts.items():
         table.add_row(key, value if isinstance(value, str) else f"{value}")
     line = sparkline(losses)

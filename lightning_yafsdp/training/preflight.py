@@ -32,6 +32,7 @@ def check_inputs(config: RunConfig, *, training: bool) -> list[str]:
         return []
     _check_data(config)
     _check_devices(config)
+    _check_output_dir(config)
     from lightning_yafsdp.training.metrics_log import check_logger_available
     from lightning_yafsdp.training.progress import warn_if_oversubscribed
 
@@ -94,6 +95,24 @@ def _check_devices(config: RunConfig) -> None:
             "trainer.devices=-1 means every GPU, and this run is on CPU: give a number of "
             "processes, e.g. trainer.devices=2"
         )
+
+
+def _check_output_dir(config: RunConfig) -> None:
+    """``trainer.output_dir`` can hold a run folder: a probe folder is created in its
+    nearest existing ancestor and removed (nothing stays behind)."""
+    import tempfile
+
+    wanted = Path(config.trainer.output_dir).absolute()
+    existing = next(p for p in (wanted, *wanted.parents) if p.exists())
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is a file")
+        Path(tempfile.mkdtemp(prefix=".yafsdp-probe-", dir=existing)).rmdir()
+    except OSError as err:
+        raise ConfigError(
+            f"trainer.output_dir={config.trainer.output_dir!r} cannot hold run folders "
+            f"({err}): set trainer.output_dir to a writable directory"
+        ) from err
 
 
 def _ranks_per_node(config: RunConfig) -> int:

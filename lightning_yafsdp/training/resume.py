@@ -39,11 +39,13 @@ class RunStart:
         tokens: Tokens the run had trained on at that step, all ranks together
             (None when the checkpoint does not say, e.g. one not written by
             ``yafsdp train``).
+        notes: What the choice passed over (damaged checkpoints), for the panel.
     """
 
     checkpoint: Path | None = None
     step: int = 0
     tokens: int | None = None
+    notes: tuple[str, ...] = ()
 
     def describe(self) -> str:
         """One line for the startup panel."""
@@ -62,6 +64,49 @@ def run_home_of(path: Path) -> Path | None:
     path = Path(path).absolute()
     folder = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     return folder if (folder / "config.yaml").is_file() else None
+
+
+def interpret_resume(
+    recipe: str | None, overrides: list[str], resume: str | None
+) -> tuple[str | None, list[str], str | None, Path | None]:
+    """Read ``yafsdp train [RECIPE] [overrides] --resume [X]`` the way it was meant.
+
+    ``--resume optim.lr=1e-4`` is a bare ``--resume`` and an override; ``--resume
+    runs/X`` or ``--resume runs/X/config.yaml`` is run X from its newest checkpoint; a
+    ``--resume PATH`` checkpoint without a recipe brings the config.yaml of the run it
+    belongs to.
+
+    Returns:
+        ``(recipe, overrides, resume, home)``: ``home`` is the run folder the recipe
+        belongs to (the run continues there), or None.
+
+    Raises:
+        ConfigError: two recipes, or a checkpoint outside any run folder and no recipe
+            (which recipe trained it is unknown).
+    """
+    if resume not in (None, LATEST):
+        path = Path(resume)
+        if "=" in resume and not path.exists():
+            return interpret_resume(recipe, [*overrides, resume], LATEST)
+        if not path.exists():
+            raise ConfigError(f"--resume {resume}: {path} does not exist")
+        if path.suffix in (".yaml", ".yml") or (path / "config.yaml").is_file():
+            if recipe is not None:
+                raise ConfigError(f"two recipes given: {recipe!r} and --resume {resume!r}")
+            config_file = path if path.suffix in (".yaml", ".yml") else path / "config.yaml"
+            return interpret_resume(str(config_file), overrides, LATEST)
+    if recipe is None and resume not in (None, LATEST):
+        home = run_home_of(Path(resume))
+        if home is None:
+            raise ConfigError(
+                f"--resume {resume}: this checkpoint is in no run folder (no config.yaml "
+                "beside its checkpoints/ folder), so its recipe is unknown: give it, as in "
+                f"yafsdp train RECIPE --resume {resume}"
+            )
+        return str(home / "config.yaml"), overrides, resume, home
+    is_run_config = recipe is not None and Path(recipe).name == "config.yaml"
+    home = run_home_of(Path(recipe)) if is_run_config and Path(recipe).is_file() else None
+    return recipe, overrides, resume, home
 
 
 def plan_start(run_dir: Path, resume: str | None) -> RunStart:
@@ -88,12 +133,15 @@ def plan_start(run_dir: Path, resume: str | None) -> RunStart:
             _refuse_existing_run(run_dir)
         start = RunStart()
     else:
-        path = _latest_checkpoint(run_dir) if resume == LATEST else Path(resume)
-        if not path.exists():
-            raise ConfigError(f"--resume {resume}: {path} does not exist")
-        start = _read_start(path)
+        start = _latest_checkpoint(run_dir) if resume == LATEST else _given(Path(resume))
     os.environ[RESUME_ENV] = str(start.checkpoint or "")
     return start
+
+
+def _given(path: Path) -> RunStart:
+    if not path.exists():
+        raise ConfigError(f"--resume {path}: {path} does not exist")
+    return _read_start(path)
 
 
 def previous_outputs(run_dir: Path) -> list[Path]:
@@ -114,7 +162,10 @@ def _refuse_existing_run(run_dir: Path) -> None:
         )
 
 
-def _latest_checkpoint(run_dir: Path) -> Path:
+def _latest_checkpoint(run_dir: Path) -> RunStart:
+    """The run's checkpoint written last that is intact (damaged ones are noted)."""
+    from lightning_yafsdp.checkpoint import DamagedCheckpointError
+
     candidates = [p for pattern in _CHECKPOINT_GLOBS for p in run_dir.glob(pattern)]
     if not candidates:
         looked = " and ".join(str(run_dir / pattern) for pattern in _CHECKPOINT_GLOBS)
@@ -122,10 +173,28 @@ def _latest_checkpoint(run_dir: Path) -> Path:
             f"--resume: no checkpoint to resume in run folder {run_dir} (looked for "
             f"{looked}); give one with --resume PATH, or drop --resume to start a fresh run"
         )
-    # The most trained state wins; on a tie the one written last (a run resumed from a
-    # middle checkpoint writes last-v1.ckpt beside the interrupted segment's last.ckpt).
-    steps = {path: _read_start(path).step for path in candidates}
-    return max(candidates, key=lambda p: (steps[p], p.stat().st_mtime_ns))
+    # Written last, not most trained: after a resume from a middle checkpoint the later
+    # checkpoints of the abandoned segment are not the run any more. On equal times
+    # (a copied folder), the most trained.
+    notes: list[str] = []
+    newest_first = sorted(
+        candidates, key=lambda p: (p.stat().st_mtime_ns, _step_in_name(p)), reverse=True
+    )
+    for path in newest_first:
+        try:
+            start = _read_start(path)
+        except (DamagedCheckpointError, ConfigError) as err:
+            notes.append(f"skipped {path.name}: {err}")
+            continue
+        return dataclasses.replace(start, notes=tuple(notes))
+    raise ConfigError(
+        f"--resume: every checkpoint in {run_dir} is damaged or unreadable; first: {notes[0]}"
+    )
+
+
+def _step_in_name(path: Path) -> int:
+    digits = path.name.split("step=")[-1].split(".")[0].split("-")[0]
+    return int(digits) if digits.isdigit() else -1
 
 
 def _read_start(path: Path) -> RunStart:

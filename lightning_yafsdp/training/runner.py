@@ -199,20 +199,18 @@ def train(
         est,
         train_sequences=len(data.train_dataset),
         resume_step=start.step if start.checkpoint else None,
-        extra_callbacks=extra_callbacks,
+        extra_callbacks=[*extra_callbacks, _CommitRunFolder(config, run_dir, start)],
     )
-    if rank_zero:
-        _write_config(config, run_dir, start)
-        moved = _set_aside_later_metrics(trainer)
-        if moved:
-            notices.append(f"metrics logged from step {start.step} on moved to {moved}")
-        if show:
-            console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
+    if rank_zero and show:
+        notices = [*notices, *start.notes]
+        console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
     with warnings.catch_warnings():
         # Lightning cannot see that our sampler resumes mid-epoch ([Note: resuming the
         # data order]) and would warn that the data order is lost.
         warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
         trainer.fit(model, datamodule=data, ckpt_path=str(start.checkpoint or "") or None)
+    if trainer.interrupted and rank_zero:
+        print(f"yafsdp train: stopped; continue with: yafsdp train {run_dir}/config.yaml --resume")
     # val_check_interval counts training batches (micro-batches), as Lightning does.
     batches = trainer.global_step * config.trainer.accumulate_grad_batches
     interval = min(config.trainer.val_check_interval, batches or 1)
@@ -229,9 +227,30 @@ def train(
     return facts
 
 
+class _CommitRunFolder(Callback):
+    """Writes what a run changes in its folder once training starts, after the
+    checkpoint was restored: a resume that fails (a checkpoint of another model) leaves
+    config.yaml and metrics.csv as they were."""
+
+    def __init__(self, config: RunConfig, run_dir: Path, start: RunStart) -> None:
+        self.config, self.run_dir, self.start = config, run_dir, start
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        _write_config(self.config, self.run_dir, self.start)
+        moved = _set_aside_later_metrics(trainer)
+        if moved:
+            print(
+                f"yafsdp train: metrics logged from step {self.start.step} on by the "
+                f"interrupted run were moved to {moved}",
+                flush=True,
+            )
+
+
 def _set_aside_later_metrics(trainer: pl.Trainer) -> Path | None:
-    """Move the rows a resumed run will log again out of metrics.csv, before training
-    (so the panel can say where they went); the path of the file they went to."""
+    """Move the rows a resumed run will log again out of metrics.csv (the logger would
+    at its first row; done here to say so); the path of the file they went to."""
     from lightning_yafsdp.training.metrics_log import StepMetricsLogger
 
     for logger in trainer.loggers:
@@ -265,13 +284,29 @@ def _prepared_data(config: RunConfig) -> TokenDataModule:
 def _write_config(config: RunConfig, run_dir: Path, start: RunStart) -> None:
     """``config.yaml`` with the run's name, so ``yafsdp train runs/X/config.yaml
     --resume`` continues run X; a resume with other settings keeps the old file."""
-    named = dataclasses.replace(config.trainer, run_name=run_dir.name)
-    text = to_yaml(dataclasses.replace(config, trainer=named))
+    text = _config_text(config, run_dir)
     path = run_dir / "config.yaml"
     run_dir.mkdir(parents=True, exist_ok=True)
-    if start.checkpoint is not None and path.is_file() and path.read_text() != text:
-        path.replace(run_dir / f"config.before-step-{start.step}.yaml")
+    if path.is_file() and _settings(path.read_text()) != _settings(text):
+        path.replace(_free_name(run_dir / f"config.before-step-{start.step}.yaml"))
     path.write_text(text)
+
+
+def _config_text(config: RunConfig, run_dir: Path) -> str:
+    named = dataclasses.replace(config.trainer, run_name=run_dir.name)
+    return to_yaml(dataclasses.replace(config, trainer=named))
+
+
+def _settings(text: str) -> str:
+    # Where the run folder is seen from (output_dir) is not a setting of the run.
+    return "\n".join(line for line in text.splitlines() if not line.startswith("  output_dir:"))
+
+
+def _free_name(path: Path) -> Path:
+    candidate, k = path, 1
+    while candidate.exists():
+        candidate, k = path.with_name(f"{path.stem}-{k}{path.suffix}"), k + 1
+    return candidate
 
 
 def _startup_panel(
