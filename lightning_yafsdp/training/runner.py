@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -204,13 +205,7 @@ def train(
     if rank_zero and show:
         notices = [*notices, *start.notes]
         console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
-    with warnings.catch_warnings():
-        # Lightning cannot see that our sampler resumes mid-epoch ([Note: resuming the
-        # data order]) and would warn that the data order is lost.
-        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
-        trainer.fit(model, datamodule=data, ckpt_path=str(start.checkpoint or "") or None)
-    if trainer.interrupted and rank_zero:
-        print(f"yafsdp train: stopped; continue with: yafsdp train {run_dir}/config.yaml --resume")
+    _fit(trainer, model, data, start, run_dir)
     # val_check_interval counts training batches (micro-batches), as Lightning does.
     batches = trainer.global_step * config.trainer.accumulate_grad_batches
     interval = min(config.trainer.val_check_interval, batches or 1)
@@ -225,6 +220,31 @@ def train(
                 console.summary_table(_display(facts), [loss for _, loss in model.train_losses])
             )
     return facts
+
+
+def _fit(
+    trainer: pl.Trainer,
+    model: CausalLMModule,
+    data: TokenDataModule,
+    start: RunStart,
+    run_dir: Path,
+) -> None:
+    with warnings.catch_warnings():
+        # Lightning cannot see that our sampler resumes mid-epoch ([Note: resuming the
+        # data order]) and would warn that the data order is lost; a resumed run's
+        # checkpoint folder is not empty, by design.
+        warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended")
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not")
+        try:
+            trainer.fit(model, datamodule=data, ckpt_path=str(start.checkpoint or "") or None)
+        except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Lightning stops the ranks, exit(1)
+            if is_rank_zero():
+                print(
+                    f"yafsdp train: stopped at step {trainer.global_step}; continue from the "
+                    f"last checkpoint with: yafsdp train {run_dir}/config.yaml --resume",
+                    file=sys.stderr,
+                )
+            raise
 
 
 class _CommitRunFolder(Callback):
