@@ -188,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(options: argparse.Namespace) -> int:
+    from lightning_yafsdp.training.resume import handoff_scope
+
+    with handoff_scope():
+        return _train_in_scope(options)
+
+
+def _train_in_scope(options: argparse.Namespace) -> int:
     from lightning_yafsdp.config import ConfigError, to_yaml
 
     config, resume = _train_config(options)  # fails here, before any process starts

@@ -14,8 +14,10 @@ refuses.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +55,24 @@ class RunStart:
             return "fresh run (no checkpoint)"
         tokens = f", {self.tokens:,} tokens seen" if self.tokens is not None else ""
         return f"resuming {self.checkpoint} at step {self.step}{tokens}"
+
+
+@contextlib.contextmanager
+def handoff_scope() -> Iterator[None]:
+    """Keep the run name and resume decision handed to launched ranks (environment
+    variables) from outliving the run in this process: a later run in the same process,
+    or processes it spawns for something else, must not inherit them."""
+    from lightning_yafsdp.training.runner import RUN_NAME_ENV
+
+    saved = {name: os.environ.get(name) for name in (RUN_NAME_ENV, RESUME_ENV)}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def run_home_of(path: Path) -> Path | None:

@@ -33,7 +33,7 @@ from lightning_yafsdp.training import console
 from lightning_yafsdp.training.module import CausalLMModule
 from lightning_yafsdp.training.preflight import check_inputs
 from lightning_yafsdp.training.progress import StepProgressBar
-from lightning_yafsdp.training.resume import RunStart, plan_start
+from lightning_yafsdp.training.resume import RunStart, handoff_scope, plan_start
 from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
 from lightning_yafsdp.training.thermometers import Thermometers
 
@@ -181,6 +181,13 @@ def train(
         show: Print the startup panel and the final summary on rank 0.
         extra_callbacks: More Lightning callbacks for the Trainer.
     """
+    with handoff_scope():
+        return _train(config, start=start, show=show, extra_callbacks=extra_callbacks)
+
+
+def _train(
+    config: RunConfig, *, start: RunStart | None, show: bool, extra_callbacks: Sequence[Callback]
+) -> dict[str, Any]:
     notices = check_inputs(config, training=True)  # before any file is written
     run_dir = run_dir_of(config)
     start = start if start is not None else plan_start(run_dir, None)
