@@ -154,7 +154,6 @@ def plan_start(run_dir: Path, resume: str | None) -> RunStart:
         start = RunStart()
     else:
         start = _latest_checkpoint(run_dir) if resume == LATEST else _given(Path(resume))
-    os.environ[RESUME_ENV] = str(start.checkpoint or "")
     return start
 
 

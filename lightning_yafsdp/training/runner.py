@@ -33,7 +33,7 @@ from lightning_yafsdp.training import console
 from lightning_yafsdp.training.module import CausalLMModule
 from lightning_yafsdp.training.preflight import check_inputs
 from lightning_yafsdp.training.progress import StepProgressBar
-from lightning_yafsdp.training.resume import RunStart, handoff_scope, plan_start
+from lightning_yafsdp.training.resume import RESUME_ENV, RunStart, handoff_scope, plan_start
 from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
 from lightning_yafsdp.training.thermometers import Thermometers
 
@@ -191,6 +191,8 @@ def _train(
     notices = check_inputs(config, training=True)  # before any file is written
     run_dir = run_dir_of(config)
     start = start if start is not None else plan_start(run_dir, None)
+    # Handed to the ranks the launcher starts (inside handoff_scope: not beyond this run).
+    os.environ[RESUME_ENV] = str(start.checkpoint or "")
     rank_zero = is_rank_zero()
     pl.seed_everything(config.trainer.seed, workers=True, verbose=False)
     if config.trainer.accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:
