@@ -1,11 +1,12 @@
 """Registers ``"yafsdp"`` with Lightning without importing Lightning first.
 
 Lightning has no entry point for strategies: ``import lightning_yafsdp`` is what
-makes ``Trainer(strategy="yafsdp")`` work. But ``lightning_yafsdp.core`` must stay
-usable (and fast to import) without Lightning, and importing ``core`` runs this
-package's ``__init__``. So registration happens when ``lightning.pytorch`` is
-(or already was) imported: right away if it is loaded, otherwise from a one-shot
-post-import hook on ``lightning.pytorch``.
+makes ``Trainer(strategy="yafsdp")`` and ``Fabric(strategy="yafsdp")`` work. But
+``lightning_yafsdp.core`` must stay usable (and fast to import) without Lightning, and
+importing ``core`` runs this package's ``__init__``. So each registration happens when
+its front door is (or already was) imported: the Trainer's when ``lightning.pytorch``
+loads, Fabric's when ``lightning.fabric`` loads (a Fabric-only program never loads the
+Trainer), right away if it is loaded, otherwise from a post-import hook.
 
 At the same moment, ``LightningModule.load_from_checkpoint`` learns to read our
 sharded checkpoint directories (``_read_sharded_directories_in_load_from_checkpoint``):
@@ -25,7 +26,8 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-_LIGHTNING = "lightning.pytorch"
+_TRAINER = "lightning.pytorch"
+_FABRIC = "lightning.fabric"
 # ``lightning.pytorch.core.saving._load_from_checkpoint`` (behind every
 # ``load_from_checkpoint``) reads the file through this module-level name, an alias of
 # ``lightning.fabric.utilities.cloud_io._load``. tests/test_load_from_checkpoint.py fails
@@ -35,20 +37,34 @@ LOADER_NAME = "pl_load"
 
 
 def register_when_lightning_loads() -> None:
-    """Register now if Lightning is loaded, else as soon as it finishes loading."""
-    if _LIGHTNING in sys.modules:
-        _register()
-    elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterAfterImport())
+    """Register now where Lightning is loaded, else as soon as it finishes loading."""
+    waiting = [name for name in _REGISTRATIONS if name not in sys.modules]
+    for name in _REGISTRATIONS:
+        if name in sys.modules:
+            _REGISTRATIONS[name]()
+    if waiting and not any(isinstance(f, _RegisterAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterAfterImport(waiting))
 
 
-def _register() -> None:
+def _register_trainer() -> None:
     _read_sharded_directories_in_load_from_checkpoint()
     # strategy.py registers itself when it finishes loading. If it is loading right now
     # (``from lightning_yafsdp import YaFSDPStrategy`` is what imported Lightning), it is
     # already in sys.modules, half-initialized: importing it here would be circular.
     if "lightning_yafsdp.strategy" not in sys.modules:
         import lightning_yafsdp.strategy  # noqa: F401
+
+
+def _register_fabric() -> None:
+    # As above, for ``from lightning_yafsdp.fabric import ...`` importing Fabric.
+    if "lightning_yafsdp.fabric" not in sys.modules:
+        import lightning_yafsdp.fabric  # noqa: F401
+
+
+_REGISTRATIONS: dict[str, Callable[[], None]] = {
+    _FABRIC: _register_fabric,
+    _TRAINER: _register_trainer,
+}
 
 
 def _read_sharded_directories_in_load_from_checkpoint() -> None:
@@ -125,28 +141,38 @@ def _lightning_checkpoint_from_directory(
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``lightning.pytorch`` through the other finders, registering after it runs."""
+    """Finds the awaited Lightning modules through the other finders, registering after each."""
+
+    def __init__(self, names: list[str]) -> None:
+        self._waiting = set(names)
 
     def find_spec(self, fullname: str, path: Any, target: ModuleType | None = None):
-        if fullname != _LIGHTNING:
+        if fullname not in self._waiting:
             return None
-        sys.meta_path.remove(self)  # one shot; also keeps the lookup below from recursing
-        spec = importlib.util.find_spec(fullname)
+        self._waiting.discard(fullname)
+        # Out of the way during the lookup below (no recursion); back while others wait.
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            if self._waiting:
+                sys.meta_path.insert(0, self)
         if spec is not None and spec.loader is not None:
-            spec.loader = _RegisteringLoader(spec.loader)
+            spec.loader = _RegisteringLoader(spec.loader, _REGISTRATIONS[fullname])
         return spec
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
+    def __init__(self, inner: importlib.abc.Loader, register: Callable[[], None]) -> None:
         self._inner = inner
+        self._register = register
 
     def create_module(self, spec):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
-        _register()
+        self._register()
 
     def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... for tools
         return getattr(self._inner, name)

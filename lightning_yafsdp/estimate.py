@@ -39,15 +39,9 @@ from torch import nn
 
 from lightning_yafsdp.config import RunConfig
 from lightning_yafsdp.core.sharding import NORM_GROUP, ROOT_GROUP, buffer_sizes, plan_layouts
+from lightning_yafsdp.dtype_policy import DtypePolicy
 
 GiB = 1024**3
-
-_PRECISION_DTYPES = {  # precision flag -> (master dtype, param dtype), as YaFSDPPrecision
-    "32-true": (torch.float32, torch.float32),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "bf16-true": (torch.bfloat16, torch.bfloat16),
-}
-
 
 @dataclass(frozen=True)
 class GroupSize:
@@ -202,7 +196,8 @@ def estimate(
     if model is None:
         with torch.device("meta"):
             model = build_model(config)
-    master_dtype, param_dtype = _PRECISION_DTYPES[config.trainer.precision]
+    policy = DtypePolicy.from_flag(config.trainer.precision)
+    master_dtype, param_dtype = policy.master_dtype, policy.param_dtype
     reduce_dtype = getattr(torch, config.strategy.reduce_dtype)
     units, residents = group_sizes(model, world_size)
     p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))

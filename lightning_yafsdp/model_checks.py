@@ -8,6 +8,7 @@ why it cannot work, and what to do instead.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,14 +20,26 @@ if TYPE_CHECKING:
     from lightning_yafsdp.core import YaFSDPEngine
 
 
-def check_optimizers_hold_model_params(module: nn.Module, optimizers) -> None:
-    """Refuse an optimizer holding parameters the sharded model no longer has.
+_SELECT_IN_CONFIGURE_OPTIMIZERS = (
+    "Select parameters inside configure_optimizers() (self.parameters(), "
+    "self.named_parameters(), a submodule's parameters())."
+)
+
+
+def check_optimizers_hold_model_params(
+    modules: nn.Module | Sequence[nn.Module],
+    optimizers,
+    *,
+    fix: str = _SELECT_IN_CONFIGURE_OPTIMIZERS,
+) -> None:
+    """Refuse an optimizer holding parameters the sharded model(s) no longer have.
 
     Sharding replaces every trainable parameter by a sharded one under the same
     name. Parameter objects taken before that (a list kept from ``__init__``) are
     no longer part of the model: stepping them would train nothing, silently.
     """
-    current = {id(p) for p in module.parameters()}
+    modules = [modules] if isinstance(modules, nn.Module) else list(modules)
+    current = {id(p) for module in modules for p in module.parameters()}
     for index, optimizer in enumerate(optimizers):
         stale = [
             tuple(p.shape)
@@ -40,8 +53,7 @@ def check_optimizers_hold_model_params(module: nn.Module, optimizers) -> None:
                 "parameters of the sharded model: they were taken before sharding (e.g. a "
                 "list of parameters kept from __init__), and sharding replaced every "
                 "parameter by a sharded one under the same name, so stepping them would "
-                "train nothing. Select parameters inside configure_optimizers() "
-                "(self.parameters(), self.named_parameters(), a submodule's parameters())."
+                f"train nothing. {fix}"
             )
 
 

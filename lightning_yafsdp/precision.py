@@ -1,29 +1,10 @@
-"""YaFSDPPrecision: the dtype policy of a sharded model, in Lightning's terms.
+"""YaFSDPPrecision: the dtype policy of a sharded model, in the Trainer's terms.
 
-Lightning's ``precision=`` flag maps onto three modes (``YaFSDPStrategy`` does the
-mapping; see its ``precision_plugin`` setter):
-
-=============  ==============  ===============  ==========================================
-flag           master shards   compute shards   forward context
-=============  ==============  ===============  ==========================================
-32-true        fp32            fp32 (the same   none
-                               tensor)
-bf16-mixed     fp32            bf16             ``torch.autocast(bf16)``, like DDP's
-                                                bf16-mixed, for code outside the units
-bf16-true      bf16            bf16 (the same   default dtype bf16, floating batch
-                               tensor)          tensors cast to bf16, like Lightning's
-                                                bf16-true
-=============  ==============  ===============  ==========================================
-
-Gradients always reach the master shards in ``reduce_dtype`` (fp32 by default) and are
-divided by the world size as they are added, once per backward; the engine refreshes
-the compute shards after every optimizer step. Clipping goes through the engine and
-touches only the parameters of the optimizer being clipped (with two optimizers each
-clips its own, as under DDP); their norm is global, over every rank's shards, with one
-all_reduce.
-
-``16-mixed`` needs a loss scaler whose inf/nan check spans every rank's shards; it is
-not implemented and is rejected rather than silently run without scaling.
+Lightning's ``precision=`` flag maps onto three modes (``dtype_policy.py`` has the
+table; ``YaFSDPStrategy`` does the mapping in its ``precision_plugin`` setter). Clipping
+goes through the engine and touches only the parameters of the optimizer being clipped
+(with two optimizers each clips its own, as under DDP); their norm is global, over every
+rank's shards, with one all_reduce. Fabric's plugin is ``lightning_yafsdp.fabric.precision``.
 """
 
 from __future__ import annotations
@@ -32,11 +13,16 @@ import contextlib
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from lightning.pytorch.plugins.precision import Precision
-from lightning_utilities import apply_to_collection
+from lightning.pytorch.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
 from torch.optim import Optimizer
 from typing_extensions import override
+
+from lightning_yafsdp.dtype_policy import DtypePolicy, cast_floating, refuse_foreign_plugin
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -44,27 +30,6 @@ if TYPE_CHECKING:
     from lightning_yafsdp.core import YaFSDPEngine
 
 _Mode = Literal["32-true", "bf16-mixed", "bf16-true"]
-
-# flag -> (master dtype, compute dtype)
-_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
-    "32-true": (torch.float32, torch.float32),
-    "bf16-mixed": (torch.float32, torch.bfloat16),
-    "bf16-true": (torch.bfloat16, torch.bfloat16),
-}
-_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", 32: "32-true"}
-
-_REJECTED = {
-    "16-mixed": (
-        "fp16 mixed precision needs a loss scaler whose overflow check spans the shards of "
-        "every rank, which YaFSDPStrategy does not implement. Use precision='bf16-mixed' "
-        "(same speed on Ampere or newer GPUs, no loss scaling needed)"
-    ),
-    "16-true": (
-        "pure fp16 training without loss scaling underflows small gradients. Use "
-        "precision='bf16-true' for the same memory saving"
-    ),
-    "64-true": "fp64 sharded training is not supported. Use precision='32-true'",
-}
 
 
 class YaFSDPPrecision(Precision):
@@ -83,18 +48,9 @@ class YaFSDPPrecision(Precision):
     """
 
     def __init__(self, precision: _Mode | str | int = "32-true") -> None:
-        precision = _ALIASES.get(precision, precision)
-        if precision in _REJECTED:
-            raise ValueError(
-                f"YaFSDPStrategy does not support precision={precision!r}: {_REJECTED[precision]}."
-            )
-        if precision not in _DTYPES:
-            raise ValueError(
-                f"unknown precision {precision!r} for YaFSDPStrategy; choose one of "
-                f"{', '.join(_DTYPES)}"
-            )
-        self.precision = precision
-        self.master_dtype, self.param_dtype = _DTYPES[precision]
+        self.policy = DtypePolicy.from_flag(precision)
+        self.precision = self.policy.precision
+        self.master_dtype, self.param_dtype = self.policy.master_dtype, self.policy.param_dtype
         self._engine: YaFSDPEngine | None = None
         self._device_type = "cpu"
 
@@ -117,29 +73,14 @@ class YaFSDPPrecision(Precision):
     @contextlib.contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        # [Note: bf16-mixed autocast] The units already run in bf16 (their gathered
-        # weights are bf16 and their floating inputs are cast). Autocast covers the
-        # user's code between and after them (loss, metrics, heads called by hand) so
-        # that it sees the same dtypes as under DDP's bf16-mixed: matmuls in bf16,
-        # softmax/cross-entropy in fp32.
-        if self.precision == "bf16-mixed":
-            with torch.autocast(self._device_type, dtype=torch.bfloat16):
-                yield
-        elif self.precision == "bf16-true":
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                yield
-            finally:
-                torch.set_default_dtype(default)
-        else:
+        with self.policy.forward_context(self._device_type):
             yield
 
     @override
     def convert_input(self, data: Any) -> Any:
         if self.precision != "bf16-true":
             return data
-        return _cast_floating(data, torch.bfloat16)
+        return cast_floating(data, self.param_dtype)
 
     # -- optimizer step and clipping ----------------------------------------------------
 
@@ -171,8 +112,14 @@ class YaFSDPPrecision(Precision):
         return f"{type(self).__name__}({self.precision!r})"
 
 
-def _cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(dtype) if torch.is_floating_point(tensor) else tensor
-
-    return apply_to_collection(data, torch.Tensor, cast)
+def to_trainer_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
+    """Map the plugin Lightning built from ``precision=`` onto ours; refuse foreign ones."""
+    if plugin is None or isinstance(plugin, YaFSDPPrecision):
+        return plugin
+    # Exact types: these are what the connector builds from the flag. Subclasses
+    # (FSDPPrecision, DeepSpeedPrecision, bitsandbytes, ...) carry their own policy.
+    if type(plugin) is Precision:
+        return YaFSDPPrecision("32-true")
+    if type(plugin) in (MixedPrecision, HalfPrecision, DoublePrecision):
+        return YaFSDPPrecision(plugin.precision)
+    raise refuse_foreign_plugin(plugin)

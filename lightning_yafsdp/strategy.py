@@ -35,54 +35,43 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import lightning
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.callbacks import WeightAveraging
-from lightning.pytorch.plugins.precision import (
-    DoublePrecision,
-    HalfPrecision,
-    MixedPrecision,
-    Precision,
-)
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
-from lightning_yafsdp.checkpoint import (
-    full_model_state_dict,
-    full_optimizer_state_dict,
-    load_lightning_checkpoint,
-    save_lightning_checkpoint,
-    sharded_optimizer_state_dict,
+from lightning_yafsdp.adapters.distributed import barrier, broadcast_object, init_process_group
+from lightning_yafsdp.adapters.options import ShardingOptions
+from lightning_yafsdp.adapters.sharding import place_module, shard_module
+from lightning_yafsdp.checkpoint import load_lightning_checkpoint, save_lightning_checkpoint
+from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
+from lightning_yafsdp.checkpoint.fabric_format import (
+    FABRIC_KEYS,
+    as_trainer_checkpoint,
+    fabric_entries,
 )
-from lightning_yafsdp.core import YaFSDPEngine, shard_model
-from lightning_yafsdp.core.materialize import Materializer
+from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
     check_optimizers_hold_model_params,
-    check_single_device,
-    check_still_sharded,
     check_sync_batchnorm_device,
-    has_meta_parameters,
 )
-from lightning_yafsdp.precision import YaFSDPPrecision
+from lightning_yafsdp.precision import YaFSDPPrecision, to_trainer_precision
 from lightning_yafsdp.pretrained import lazy_from_pretrained
 
 if TYPE_CHECKING:
@@ -91,21 +80,6 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
 
     from lightning_yafsdp.core.sharding import CheckpointSpec
-
-# Arguments of other Lightning strategies that users bring along when migrating,
-# and what to write instead (see docs/migration.md).
-_MIGRATION_HINTS = {
-    "auto_wrap_policy": "units= (a block class, a list of module names or a predicate)",
-    "sharding_strategy": "zero_stage=3 (FULL_SHARD) or zero_stage=2 (SHARD_GRAD_OP)",
-    "mixed_precision": "the Trainer's precision= flag ('bf16-mixed' or 'bf16-true')",
-    "activation_checkpointing_policy": "activation_checkpointing= ('all', unit indices, a "
-    "block class or a predicate (index, name) -> bool)",
-    "device_mesh": "nothing: one flat data-parallel group (no hybrid sharding yet)",
-    "cpu_offload": "nothing: CPU offload is not supported; try precision='bf16-true'",
-    "data_parallel_size": "nothing: every rank is a data-parallel rank",
-    "tensor_parallel_size": "nothing: tensor parallelism is not supported",
-}
-
 
 class YaFSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel training with YaFSDP's flat, pre-allocated buffers.
@@ -184,14 +158,23 @@ class YaFSDPStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            raise TypeError(_unknown_arguments_message(unknown))
-        if zero_stage not in (2, 3):
-            raise ValueError(f"zero_stage must be 2 or 3, got {zero_stage!r}")
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(
-                f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}"
-            )
+        self._options = ShardingOptions.from_arguments(
+            type(self).__name__,
+            dict(
+                units=units,
+                norm_classes=norm_classes,
+                zero_stage=zero_stage,
+                reduce_dtype=reduce_dtype,
+                activation_checkpointing=activation_checkpointing,
+                param_init_fn=param_init_fn,
+                sync_module_states=sync_module_states,
+                cast_forward_inputs=cast_forward_inputs,
+                timeout=timeout,
+                process_group_backend=process_group_backend,
+                state_dict_type=state_dict_type,
+            ),
+            unknown,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -200,17 +183,7 @@ class YaFSDPStrategy(ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._units = units
-        self._norm_classes = norm_classes
-        self._zero_stage = zero_stage
-        self._reduce_dtype = reduce_dtype
-        self._activation_checkpointing = activation_checkpointing
-        self._param_init_fn = param_init_fn
-        self._sync_module_states = sync_module_states
-        self._cast_forward_inputs = cast_forward_inputs
-        self._timeout = timeout
         self._process_group_backend = process_group_backend
-        self._state_dict_type = state_dict_type
         self._engine: YaFSDPEngine | None = None
 
     @classmethod
@@ -290,7 +263,7 @@ class YaFSDPStrategy(ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = _to_yafsdp_precision(plugin)
+        self._precision_plugin = to_trainer_precision(plugin)
 
     @property
     @override
@@ -326,16 +299,12 @@ class YaFSDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or (
-            _get_default_process_group_backend_for_device(self.root_device)
-        )
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
+        self._process_group_backend = init_process_group(
             self.cluster_environment,
-            self._process_group_backend,
-            timeout=self._timeout,
-            device_id=device_id,
+            self.root_device,
+            backend=self._process_group_backend,
+            timeout=self._options.timeout,
         )
 
     @contextmanager
@@ -371,7 +340,9 @@ class YaFSDPStrategy(ParallelStrategy):
         self._apply_layer_sync()
         if trainer.state.fn == TrainerFn.FITTING:
             check_sync_batchnorm_device(self.lightning_module, self.root_device)
-        self._engine = self._shard(self.lightning_module)
+        self._engine = shard_module(
+            self.lightning_module, self._options, self.precision_plugin, device=self.root_device
+        )
         self.model_to_device()
         self.precision_plugin.connect_engine(self._engine)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -395,40 +366,6 @@ class YaFSDPStrategy(ParallelStrategy):
         if self._layer_sync.apply(module) is not module:
             raise RuntimeError("sync_batchnorm replaced the LightningModule itself")
 
-    def _resolve_sync_module_states(self, module: nn.Module) -> bool:
-        # As DDP: a model built with real tensors starts from rank 0's weights and buffers
-        # on every rank, seeded alike or not. A meta-built model needs no broadcast: it is
-        # initialized from a seed broadcast from rank 0 ([Note: init seed]).
-        if self._sync_module_states is not None:
-            return self._sync_module_states
-        return not any(p.is_meta for p in module.parameters())
-
-    def _shard(self, module: pl.LightningModule) -> YaFSDPEngine:
-        existing = module.__dict__.get("_yafsdp_engine")
-        if existing is not None:
-            check_still_sharded(module, existing)
-            return existing
-        check_single_device(module)
-        if not has_meta_parameters(module):
-            # An already-built model: each rank holds it whole until it is sharded. Its
-            # parameters may be loaded onto a meta build, its non-persistent buffers not.
-            _materialize_meta_buffers(module, self.root_device)
-            module.to(self.root_device)
-        plugin = self.precision_plugin
-        return shard_model(
-            module,
-            units=self._units,
-            norm_classes=self._norm_classes,
-            param_dtype=plugin.param_dtype,
-            reduce_dtype=self._reduce_dtype,
-            master_dtype=plugin.master_dtype,
-            zero_stage=self._zero_stage,
-            activation_checkpointing=_checkpoint_spec(module, self._activation_checkpointing),
-            sync_module_states=self._resolve_sync_module_states(module),
-            cast_forward_inputs=self._cast_forward_inputs,
-            param_init_fn=self._param_init_fn or getattr(module, "init_submodule", None),
-        )
-
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         # fit -> validate -> fit again: optimizers from an earlier stage hold stale state.
@@ -438,37 +375,18 @@ class YaFSDPStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        # [Note: non-parameter state on the root device] Sharding puts every parameter on
-        # the root device, but a model built in configure_model leaves what __init__
-        # created (torchmetrics states, registered buffers) where it was created. Called
-        # after sharding, this moves the LightningModule as DDP does: Module.to() keeps a
-        # tensor already on the device as it is, so the engine's shards and views stay.
         assert self.model is not None
-        if self.engine.device != self.root_device:
-            raise RuntimeError(
-                f"the model was sharded on {self.engine.device} but the strategy runs on "
-                f"{self.root_device}; moving it would detach the shards from the engine"
-            )
-        self.model.to(self.root_device)
+        place_module(self.model, self.engine, self.root_device)
 
     # -- collectives ----------------------------------------------------------------------
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        wrapped = [obj]
-        torch.distributed.broadcast_object_list(wrapped, src, group=_group.WORLD)
-        return wrapped[0]
+        return broadcast_object(obj, src)
 
     @override
     def reduce(
@@ -491,24 +409,17 @@ class YaFSDPStrategy(ParallelStrategy):
     # own model/optimizer restore steps are no-ops here.
 
     @property
-    def state_dict_type(self) -> Literal["sharded", "full"]:
-        return self._state_dict_type
+    def state_dict_type(self) -> StateDictType:
+        return self._options.state_dict_type
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         # Collective: Lightning calls it on every rank. "full" leaves {} on ranks != 0.
-        # Sharded: the LightningModule's own state_dict() (an override is honoured), whose
-        # trainable values are ShardedTensors, written as this rank's ranges.
-        if self._state_dict_type == "full":
-            return full_model_state_dict(self.engine)
-        return self.lightning_module.state_dict()
+        return model_entry(self.engine, self.lightning_module, self.state_dict_type)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
-        if self._state_dict_type == "full":
-            return full_optimizer_state_dict(self.engine, optimizer)
-        return sharded_optimizer_state_dict(self.engine, optimizer)
+        return optimizer_entry(self.engine, optimizer, self.state_dict_type)
 
     @override
     def save_checkpoint(
@@ -523,19 +434,34 @@ class YaFSDPStrategy(ParallelStrategy):
             checkpoint,
             self.broadcast(filepath),  # every rank must write to rank 0's path
             engine=self.engine,
-            state_dict_type=self._state_dict_type,
+            state_dict_type=self.state_dict_type,
         )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         # Only a fit restores optimizer states; validate/test/predict after a fit keep
         # the fit's optimizers around, which must not be touched (or counted).
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return load_lightning_checkpoint(
+        trainer = self.lightning_module.trainer
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        checkpoint = load_lightning_checkpoint(
             self.broadcast(checkpoint_path),
             engine=self.engine,
             optimizers=self.optimizers if fitting else (),
             strict=self.lightning_module.strict_loading,
+        )
+        if FABRIC_KEYS not in checkpoint:
+            return checkpoint
+        # [Note: one checkpoint format for Fabric and the Trainer]
+        rank_zero_warn(
+            f"{checkpoint_path} was written by Fabric: the weights and optimizer states are "
+            "restored; the Trainer's step and epoch counters start at 0 (a Fabric loop keeps "
+            f"its own, here in the entries {fabric_entries(checkpoint)}, which "
+            "on_load_checkpoint receives)"
+        )
+        return as_trainer_checkpoint(
+            checkpoint,
+            num_schedulers=len(trainer.lr_scheduler_configs) if fitting else 0,
+            lightning_version=lightning.__version__,
         )
 
     @override
@@ -576,47 +502,6 @@ class YaFSDPStrategy(ParallelStrategy):
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _to_yafsdp_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
-    """Map the plugin Lightning built from ``precision=`` onto ours; refuse foreign ones."""
-    if plugin is None or isinstance(plugin, YaFSDPPrecision):
-        return plugin
-    # Exact types: these are what the connector builds from the flag. Subclasses
-    # (FSDPPrecision, DeepSpeedPrecision, bitsandbytes, ...) carry their own policy.
-    if type(plugin) is Precision:
-        return YaFSDPPrecision("32-true")
-    if type(plugin) in (MixedPrecision, HalfPrecision, DoublePrecision):
-        return YaFSDPPrecision(plugin.precision)
-    raise TypeError(
-        f"YaFSDPStrategy owns the dtype policy and cannot use the precision plugin "
-        f"{type(plugin).__name__}. Remove it from plugins= and pass the Trainer's precision= "
-        "flag instead ('32-true', 'bf16-mixed' or 'bf16-true'), or pass YaFSDPPrecision(...)."
-    )
-
-
-def _unknown_arguments_message(unknown: dict[str, Any]) -> str:
-    lines = [f"YaFSDPStrategy got unexpected argument(s): {', '.join(sorted(unknown))}."]
-    for name in sorted(unknown):
-        if name in _MIGRATION_HINTS:
-            lines.append(f"  {name}: use {_MIGRATION_HINTS[name]}")
-    lines.append(
-        "Valid arguments: units, norm_classes, zero_stage, reduce_dtype, "
-        "activation_checkpointing, param_init_fn, sync_module_states, cast_forward_inputs, "
-        "timeout, process_group_backend, state_dict_type (see docs/user-guide.md)."
-    )
-    return "\n".join(lines)
-
-
-def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
-    """Also accept FSDPStrategy's form: a block class or a list of classes."""
-    is_class_list = (
-        isinstance(spec, (list, tuple)) and spec and all(isinstance(c, type) for c in spec)
-    )
-    if not (isinstance(spec, type) or is_class_list):
-        return spec
-    classes = tuple(spec) if is_class_list else (spec,)
-    return lambda index, name: isinstance(module.get_submodule(name), classes)
-
-
 def _rebuild_weight_averages(
     trainer: pl.Trainer, module: pl.LightningModule, device: torch.device
 ) -> None:
@@ -640,12 +525,6 @@ def _rebuild_weight_averages(
         callback._average_model = AveragedModel(
             module, device=device, use_buffers=callback._use_buffers, **callback._kwargs
         )
-
-
-def _materialize_meta_buffers(module: nn.Module, device: torch.device) -> None:
-    # [Note: meta buffers beside loaded parameters] in core/materialize.py. The seed is
-    # fixed, so every rank derives the same values without a collective.
-    Materializer(module, device=device, init_fn=None, seed=0).materialize_meta_buffers()
 
 
 # Loading this module registers the strategy (see lightning_yafsdp/_registration.py).

@@ -194,13 +194,20 @@ class YaFSDPEngine:
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, *, params: Iterator | None = None
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        *,
+        params: Iterator | None = None,
+        error_if_nonfinite: bool = False,
     ) -> torch.Tensor:
         """Clip the global grad norm of ``params`` (default: all); returns the total norm.
 
         Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: one
         all_reduce of this rank's partial norm over the sharded grads; grads of
-        replicated (unsharded) parameters count once. Collective.
+        replicated (unsharded) parameters count once. Collective. With
+        ``error_if_nonfinite`` a nan/inf norm raises on every rank before any grad is
+        touched (one host sync, as in torch).
         """
         sharded, replicated = self._grads_of(params)
         norm_type = float(norm_type)
@@ -214,6 +221,12 @@ class YaFSDPEngine:
         op = ReduceOp.MAX if inf else ReduceOp.SUM
         all_reduce_(local, self.group, op=op, stats=self.comm_stats)
         total = torch.maximum(local, extra) if inf else (local + extra) ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in (sharded, replicated):
             if grads:

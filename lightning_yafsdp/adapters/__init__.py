@@ -1,0 +1,16 @@
+"""What Lightning's two front doors share: the Trainer strategy and the Fabric strategy.
+
+``lightning_yafsdp.strategy.YaFSDPStrategy`` (Trainer) and
+``lightning_yafsdp.fabric.YaFSDPStrategy`` (Fabric) are thin adapters: each translates
+its front door's hooks into the same few operations, kept here so that neither holds
+engine logic and neither writes them twice:
+
+- ``options.py``: the constructor arguments both take, validated once
+  (``ShardingOptions``), with the migration hints for FSDPStrategy arguments.
+- ``sharding.py``: turning a module (meta-built or real) into a sharded one, and
+  pointing optimizers built before that at the sharded parameters.
+- ``distributed.py``: the process group, barrier and broadcast.
+
+The checkpoint entries both write are ``checkpoint/entries.py``. Nothing here imports
+``lightning.pytorch``, so a Fabric-only program never loads it.
+"""

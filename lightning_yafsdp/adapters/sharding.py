@@ -1,0 +1,156 @@
+"""Sharding a module the way both strategies do, and re-pointing early optimizers.
+
+``shard_module`` is the strategies' one call into the engine: it takes a module as the
+user built it (on the meta device, or with real tensors on any device) and shards it
+in place with ``shard_model``. ``rebind_optimizers`` serves Fabric's
+``fabric.setup(model, optimizer)``, where the optimizer was built from the parameters
+before they were sharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lightning_yafsdp.adapters.options import ShardingOptions
+from lightning_yafsdp.core import YaFSDPEngine, shard_model
+from lightning_yafsdp.core.materialize import Materializer
+from lightning_yafsdp.model_checks import check_single_device, check_still_sharded
+
+
+class DtypeSource(Protocol):
+    """What sharding needs of a precision plugin: the two dtypes of its policy."""
+
+    master_dtype: torch.dtype
+    param_dtype: torch.dtype
+
+
+def shard_module(
+    module: nn.Module,
+    options: ShardingOptions,
+    precision: DtypeSource,
+    *,
+    device: torch.device,
+) -> YaFSDPEngine:
+    """Shard ``module`` in place (once: a module already sharded keeps its engine).
+
+    A meta-built module is materialized, initialized and sharded one unit at a time on
+    ``device``; a module built with real tensors is moved to ``device`` whole first (its
+    meta buffers, e.g. rotary tables of a model loaded onto a meta build, are rebuilt).
+    """
+    existing = module.__dict__.get("_yafsdp_engine")
+    if existing is not None:
+        check_still_sharded(module, existing)
+        return existing
+    check_single_device(module)
+    built_on_meta = any(p.is_meta for p in module.parameters())
+    if not built_on_meta:
+        # [Note: meta buffers beside loaded parameters] in core/materialize.py. The seed
+        # is fixed, so every rank derives the same values without a collective.
+        Materializer(module, device=device, init_fn=None, seed=0).materialize_meta_buffers()
+        module.to(device)
+    return shard_model(
+        module,
+        units=options.units,
+        norm_classes=options.norm_classes,
+        param_dtype=precision.param_dtype,
+        reduce_dtype=options.reduce_dtype,
+        master_dtype=precision.master_dtype,
+        zero_stage=options.zero_stage,
+        activation_checkpointing=_checkpoint_spec(module, options.activation_checkpointing),
+        # As DDP: a model built with real tensors starts from rank 0's weights and
+        # buffers on every rank, seeded alike or not. A meta-built model needs no
+        # broadcast: it is initialized from a seed broadcast from rank 0 ([Note: init seed]).
+        sync_module_states=(
+            options.sync_module_states
+            if options.sync_module_states is not None
+            else not built_on_meta
+        ),
+        cast_forward_inputs=options.cast_forward_inputs,
+        param_init_fn=options.param_init_fn or getattr(module, "init_submodule", None),
+    )
+
+
+def place_module(module: nn.Module, engine: YaFSDPEngine, device: torch.device) -> None:
+    """Move what sharding left behind (metrics, buffers made in ``__init__``) to ``device``.
+
+    [Note: non-parameter state on the root device] Sharding puts every parameter on the
+    device, but a model built on meta leaves what was created outside (torchmetrics
+    states, registered buffers) where it was created. Moved as DDP moves the model:
+    ``Module.to()`` keeps a tensor already on the device as it is, so the engine's
+    shards and views stay.
+    """
+    if engine.device != device:
+        raise RuntimeError(
+            f"the model was sharded on {engine.device} but the strategy runs on {device}; "
+            "moving it would detach the shards from the engine"
+        )
+    module.to(device)
+
+
+def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
+    """Also accept FSDPStrategy's form: a block class or a list of classes."""
+    is_class_list = (
+        isinstance(spec, (list, tuple)) and spec and all(isinstance(c, type) for c in spec)
+    )
+    if not (isinstance(spec, type) or is_class_list):
+        return spec
+    classes = tuple(spec) if is_class_list else (spec,)
+    return lambda index, name: isinstance(module.get_submodule(name), classes)
+
+
+ParameterNames = dict[int, str]
+
+
+def parameter_names(module: nn.Module) -> ParameterNames:
+    """``id(parameter) -> name`` of every parameter, tied aliases included (before sharding)."""
+    return {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+
+
+def rebind_optimizers(
+    optimizers: Sequence[torch.optim.Optimizer],
+    names_before: ParameterNames,
+    module: nn.Module,
+) -> None:
+    """Point optimizers built from ``module``'s parameters before sharding at the sharded ones.
+
+    Sharding replaces every parameter by a sharded one under the same name, so each
+    parameter an optimizer holds is swapped by name; hyperparameters and group dicts
+    stay. The ``"params"`` lists are edited in place (LBFGS keeps a reference to its
+    list). An optimizer that already has state refuses: that state is whole-model sized
+    and belongs to the old parameters.
+    """
+    refuse_optimizers_with_state(optimizers)
+    now = dict(module.named_parameters(remove_duplicate=False))
+    current = {id(p) for p in now.values()}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["params"][:] = [
+                _sharded_twin(p, names_before, now, current) for p in group["params"]
+            ]
+
+
+def refuse_optimizers_with_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Before sharding: optimizer state of the whole parameters cannot follow them."""
+    for index, optimizer in enumerate(optimizers):
+        if optimizer.state:
+            raise ValueError(
+                f"optimizer {index} already has state (it was stepped or loaded before "
+                "setup); sharding cannot carry whole-parameter optimizer state over. Set "
+                "the model and optimizer up first, then load the state with "
+                "fabric.load(path, {'model': model, 'optimizer': optimizer})"
+            )
+
+
+def _sharded_twin(
+    param: torch.Tensor, names_before: ParameterNames, now: dict, current: set[int]
+) -> torch.Tensor:
+    if id(param) in current:
+        return param
+    name = names_before.get(id(param))
+    # Not a parameter of this module: left for check_optimizers_hold_model_params to name.
+    return now.get(name, param) if name is not None else param
+

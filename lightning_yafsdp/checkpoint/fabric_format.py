@@ -1,0 +1,259 @@
+"""Fabric's ``fabric.save(path, state)`` / ``fabric.load(path, state)`` in the one format.
+
+[Note: one checkpoint format for Fabric and the Trainer]
+A Fabric state is a dict the user names, ``{"model": model, "optimizer": opt, "step": 3}``.
+It is written exactly as the Trainer writes its checkpoint dict
+(``lightning_format.py``): the sharded module's weights as the model entry, the
+optimizers' states in the order they appear, every other entry in ``meta.pt`` (or the
+file), and ``FABRIC_KEYS`` recording which entry was the module and which were the
+optimizers. So each front door reads what the other wrote, and ``yafsdp inspect`` /
+``export`` read both:
+
+- Fabric loading a Trainer checkpoint: the module gets the weights, the optimizers the
+  saved optimizer states in the order they are given in ``state``; the Trainer's own
+  entries (``global_step``, ``loops``, ``callbacks``...) are returned, or put into
+  ``state`` where it asks for them by name.
+- Fabric loading a Fabric checkpoint: optimizers are matched by their names.
+- The Trainer loading a Fabric checkpoint: see ``as_trainer_checkpoint``.
+
+Nothing here imports lightning: Fabric's "stateful" objects are anything with
+``state_dict()`` and ``load_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
+from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
+from lightning_yafsdp.checkpoint.full import (
+    OPTIMIZER_STATES_KEY,
+    STATE_DICT_KEY,
+    load_full,
+    split_full_checkpoint,
+)
+from lightning_yafsdp.checkpoint.lightning_format import (
+    load_lightning_checkpoint,
+    save_lightning_checkpoint,
+)
+from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, META_FILENAME, load_sharded
+from lightning_yafsdp.core import YaFSDPEngine
+
+# {"module": key, "optimizers": [key, ...], "entries": [every other key, ...]}
+FABRIC_KEYS = "yafsdp_fabric"
+_RESERVED = (STATE_DICT_KEY, OPTIMIZER_STATES_KEY, FABRIC_KEYS, FORMAT_KEY)
+
+Filter = Mapping[str, Callable[[str, Any], bool]]
+
+
+def save_fabric_checkpoint(
+    path: str | os.PathLike,
+    state: Mapping[str, Any],
+    *,
+    state_dict_type: StateDictType,
+    filter: Filter | None = None,
+) -> None:
+    """Write a Fabric state (collective, atomic); ``filter`` as in ``fabric.save``."""
+    filter = dict(filter or {})
+    module_key, module, engine = sharded_module_in(state, action="save")
+    checkpoint: dict[str, Any] = {}
+    optimizer_keys = []
+    optimizer_states = []
+    for key, obj in state.items():
+        _refuse_reserved(key)
+        if key == module_key:
+            continue
+        if isinstance(obj, torch.optim.Optimizer):
+            if key in filter:
+                raise ValueError(
+                    f"fabric.save(filter={{{key!r}: ...}}) filters an optimizer; a part of an "
+                    "optimizer's state cannot be loaded back. Filter the model's entries only"
+                )
+            optimizer_keys.append(key)
+            optimizer_states.append(optimizer_entry(engine, obj, state_dict_type))
+        else:
+            value = obj.state_dict() if _is_stateful(obj) else obj
+            checkpoint[key] = _filtered(key, value, filter)
+    checkpoint[STATE_DICT_KEY] = _filtered(
+        module_key, model_entry(engine, module, state_dict_type), filter
+    )
+    checkpoint[OPTIMIZER_STATES_KEY] = optimizer_states
+    checkpoint[FABRIC_KEYS] = {
+        "module": module_key,
+        "optimizers": optimizer_keys,
+        "entries": [key for key in checkpoint if key not in _RESERVED],
+    }
+    save_lightning_checkpoint(checkpoint, path, engine=engine, state_dict_type=state_dict_type)
+
+
+def load_fabric_checkpoint(
+    path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
+) -> dict[str, Any]:
+    """Restore ``state`` in place from a Fabric or Trainer checkpoint; return what is left.
+
+    Collective. Checked before anything is loaded: the optimizers given match the
+    saved ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint.
+    """
+    module_key, _, engine = sharded_module_in(state, action="load")
+    extras = _read_extras(path)
+    saved = extras.get(FABRIC_KEYS, {})
+    optimizers = _optimizers_in_saved_order(state, saved.get("optimizers"), path)
+    requested = [key for key, obj in state.items() if key != module_key and key not in optimizers]
+    available = {*extras, *extras.get(FORMAT_KEY, {}).get("sharded_keys", ())}
+    missing = [key for key in requested if key not in available]
+    if strict and extras and missing:
+        raise KeyError(
+            f"The requested state contains a key {missing[0]!r} that does not exist in the "
+            f"loaded checkpoint {str(path)!r}. To disable strict loading, set `strict=False`."
+        )
+    rest = load_lightning_checkpoint(
+        path, engine=engine, optimizers=list(optimizers.values()), strict=strict
+    )
+    for key in _RESERVED:
+        rest.pop(key, None)
+    for key in requested:
+        if key in rest:
+            _restore_entry(state, key, rest.pop(key), strict=strict)
+    return rest
+
+
+def load_raw_into(path: str | os.PathLike, obj: Any, *, strict: bool = True) -> None:
+    """``fabric.load_raw``: a full state dict file (or our checkpoint's weights) into ``obj``."""
+    if isinstance(obj, torch.optim.Optimizer):
+        raise TypeError(
+            "fabric.load_raw(path, optimizer) is not supported by YaFSDPStrategy: a raw "
+            "optimizer state is keyed by position over the whole model. Save and load it "
+            "with its model: fabric.load(path, {'model': model, 'optimizer': optimizer})"
+        )
+    engine = engine_of(obj, action="load_raw")
+    if Path(path).is_dir():
+        load_sharded(path, engine, strict=strict)
+    else:
+        load_full(path, engine, strict=strict)
+
+
+def as_trainer_checkpoint(
+    rest: dict[str, Any], *, num_schedulers: int, lightning_version: str
+) -> dict[str, Any]:
+    """What the Trainer restores from a Fabric checkpoint (``rest`` of the load).
+
+    A Fabric loop has no Trainer loops or scheduler list: the weights and optimizer
+    states are restored (by position), the loop counters start at 0, and the user's
+    own entries stay in the dict for ``LightningModule.on_load_checkpoint``. A Trainer
+    with LR schedulers refuses: which Fabric entry is which scheduler is unknown.
+    """
+    if num_schedulers:
+        raise CheckpointMismatchError(
+            "this checkpoint was written by Fabric, which records no Trainer LR schedulers, "
+            f"but the LightningModule configures {num_schedulers}; restore them yourself in "
+            f"on_load_checkpoint from the Fabric entries {fabric_entries(rest)}, or resume "
+            "without schedulers"
+        )
+    checkpoint = dict(rest)
+    checkpoint.setdefault("pytorch-lightning_version", lightning_version)
+    checkpoint.setdefault("lr_schedulers", [])
+    return checkpoint
+
+
+def fabric_entries(checkpoint: Mapping[str, Any]) -> list[str]:
+    """The user's own entries of a checkpoint written by Fabric (step counters, ...)."""
+    return list(checkpoint.get(FABRIC_KEYS, {}).get("entries", []))
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def engine_of(obj: Any, *, action: str) -> YaFSDPEngine:
+    engine = obj.__dict__.get("_yafsdp_engine") if isinstance(obj, nn.Module) else None
+    if engine is None:
+        raise ValueError(
+            f"fabric.{action} needs a model set up by fabric.setup(...) or "
+            f"fabric.setup_module(...) under strategy='yafsdp'; got {type(obj).__name__}"
+        )
+    return engine
+
+
+def sharded_module_in(state: Mapping[str, Any], *, action: str):
+    """``(key, module, engine)`` of the one sharded module in a Fabric state."""
+    found = [
+        (key, obj, obj.__dict__["_yafsdp_engine"])
+        for key, obj in state.items()
+        if isinstance(obj, nn.Module) and "_yafsdp_engine" in obj.__dict__
+    ]
+    if not found:
+        raise ValueError(
+            f"fabric.{action} found no model set up by Fabric in the state (keys "
+            f"{sorted(state)}); put it in, e.g. fabric.{action}(path, {{'model': model, ...}}), "
+            "after model = fabric.setup(model)"
+        )
+    if len(found) > 1:
+        raise ValueError(
+            f"fabric.{action} found {len(found)} sharded models in the state "
+            f"({[key for key, _, _ in found]}); a checkpoint holds one: {action} each with its "
+            "own path"
+        )
+    return found[0]
+
+
+def _optimizers_in_saved_order(
+    state: Mapping[str, Any], saved_names: list[str] | None, path: Any
+) -> dict[str, torch.optim.Optimizer]:
+    given = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+    if saved_names is None or not given:  # a Trainer checkpoint: by position
+        return given
+    if sorted(given) != sorted(saved_names):
+        raise CheckpointMismatchError(
+            f"checkpoint {str(path)!r} holds the optimizers {saved_names} but the state gives "
+            f"{sorted(given)}; give all of them under the same names, or none (weights only)"
+        )
+    return {name: given[name] for name in saved_names}
+
+
+def _read_extras(path: str | os.PathLike) -> dict[str, Any]:
+    """The non-tensor entries of a checkpoint, to check a load before it starts ({} if unread)."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            return torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
+        _, _, rest = split_full_checkpoint(
+            torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        )
+        return rest
+    except Exception:  # noqa: BLE001 - the load itself reports a damaged or missing checkpoint
+        return {}
+
+
+def _restore_entry(state: dict[str, Any], key: str, value: Any, *, strict: bool) -> None:
+    obj = state[key]
+    if isinstance(obj, nn.Module):
+        obj.load_state_dict(value, strict=strict)
+    elif _is_stateful(obj):
+        obj.load_state_dict(value)
+    else:
+        state[key] = value
+
+
+def _is_stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+def _filtered(key: str, value: Any, filter: Filter) -> Any:
+    # As fabric.save's filter: keeps the items of a dict entry for which filter[key] holds.
+    if key not in filter or not isinstance(value, Mapping):
+        return value
+    return {k: v for k, v in value.items() if filter[key](k, v)}
+
+
+def _refuse_reserved(key: str) -> None:
+    if key in _RESERVED:
+        raise ValueError(
+            f"fabric.save: the state key {key!r} is taken by the checkpoint format; rename it"
+        )

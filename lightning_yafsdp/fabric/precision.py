@@ -1,0 +1,90 @@
+"""YaFSDPPrecision for Fabric: the dtype policy (``dtype_policy.py``) in Fabric's terms.
+
+``Fabric(strategy="yafsdp", precision=...)`` builds it from the flag. What goes in and
+out of the model's ``forward`` is converted as Fabric's own plugins for the same flag
+do under DDP (``MixedPrecision`` / ``HalfPrecision``): floating inputs to bf16 under
+``bf16-mixed`` and ``bf16-true``, floating outputs back to the default dtype; under
+``bf16-true`` ``fabric.init_module()`` builds in bf16. The master and compute shards
+are the engine's (fp32 / bf16 / bf16 as in the table). Clipping is the strategy's.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.precision import (
+    DoublePrecision,
+    HalfPrecision,
+    MixedPrecision,
+    Precision,
+)
+from typing_extensions import override
+
+from lightning_yafsdp.dtype_policy import (
+    DtypePolicy,
+    cast_floating,
+    default_dtype,
+    refuse_foreign_plugin,
+)
+
+_Mode = Literal["32-true", "bf16-mixed", "bf16-true"]
+
+
+class YaFSDPPrecision(Precision):
+    """Precision plugin of :class:`lightning_yafsdp.fabric.YaFSDPStrategy`.
+
+    Args:
+        precision: ``"32-true"`` (default), ``"bf16-mixed"`` or ``"bf16-true"``.
+
+    Raises:
+        ValueError: for ``"16-mixed"``, ``"16-true"``, ``"64-true"`` or an unknown flag,
+            with the supported alternative.
+    """
+
+    def __init__(self, precision: _Mode | str | int = "32-true") -> None:
+        self.policy = DtypePolicy.from_flag(precision)
+        self.precision = self.policy.precision
+        self.master_dtype, self.param_dtype = self.policy.master_dtype, self.policy.param_dtype
+        self.device_type = "cpu"  # set by the strategy once it knows its device
+
+    @override
+    def forward_context(self) -> AbstractContextManager:
+        return self.policy.forward_context(self.device_type)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision == "32-true":
+            return data
+        return cast_floating(data, torch.bfloat16)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        if self.precision == "32-true":
+            return data
+        return cast_floating(data, torch.get_default_dtype())
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        return default_dtype(torch.bfloat16) if self.precision == "bf16-true" else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.precision!r})"
+
+
+def to_fabric_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
+    """Map the plugin Fabric built from ``precision=`` onto ours; refuse foreign ones."""
+    if plugin is None or isinstance(plugin, YaFSDPPrecision):
+        return plugin
+    # Exact types: what Fabric's connector builds from the flag for a strategy it does
+    # not know. Subclasses (FSDPPrecision, bitsandbytes, ...) carry their own policy.
+    if type(plugin) is Precision:
+        return YaFSDPPrecision("32-true")
+    if type(plugin) in (MixedPrecision, HalfPrecision, DoublePrecision):
+        return YaFSDPPrecision(plugin.precision)
+    raise refuse_foreign_plugin(plugin)
