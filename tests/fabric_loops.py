@@ -27,9 +27,11 @@ CLIP = 0.5
 LR = 1e-3
 
 
-def micro_batch(step: int, micro: int, rank: int, world_size: int) -> torch.Tensor:
+def micro_batch(
+    step: int, micro: int, rank: int, world_size: int, vocab_size: int = 256
+) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1000 + 10 * step + micro)
-    rows = torch.randint(0, 256, (GLOBAL_ROWS, SEQ_LEN), generator=generator)
+    rows = torch.randint(0, vocab_size, (GLOBAL_ROWS, SEQ_LEN), generator=generator)
     return rows[rank::world_size]
 
 
@@ -60,7 +62,16 @@ def make_fabric(strategy, precision: str = "32-true") -> L.Fabric:
     return fabric
 
 
-def train_steps(fabric: L.Fabric, model, optimizer, steps: range, norms: list | None = None):
+def train_steps(
+    fabric: L.Fabric,
+    model,
+    optimizer,
+    steps: range,
+    norms: list | None = None,
+    *,
+    vocab_size: int = 256,
+    loss_fn=next_token_loss,
+):
     """Steps with accumulation and global-norm clipping; the mean loss of each step.
 
     ``norms`` (if given) receives the total gradient norm ``clip_gradients`` returned.
@@ -70,10 +81,10 @@ def train_steps(fabric: L.Fabric, model, optimizer, steps: range, norms: list | 
         total = torch.zeros(())
         for micro in range(ACCUMULATION):
             tokens = fabric.to_device(
-                micro_batch(step, micro, fabric.global_rank, fabric.world_size)
+                micro_batch(step, micro, fabric.global_rank, fabric.world_size, vocab_size)
             )
             with fabric.no_backward_sync(model, enabled=micro < ACCUMULATION - 1):
-                loss = next_token_loss(model(tokens[:, :-1]), tokens[:, 1:])
+                loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
                 fabric.backward(loss / ACCUMULATION)
             total += loss.detach() / ACCUMULATION
         norm = fabric.clip_gradients(model, optimizer, max_norm=CLIP)

@@ -283,6 +283,14 @@ def _refusals(tmp: str) -> dict:
         lambda: fabric.save(path + "-f", {"model": model, "optimizer": optimizer},
                             filter={"optimizer": lambda k, v: True}),
     )  # fmt: skip
+    # Two optimizers, loaded in the other order: matched by name, not position.
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    pair = {"opt_b": torch.optim.SGD(vectors, lr=0.2), "opt_a": torch.optim.AdamW(matrices, lr=0.1)}
+    fabric.save(path + "-two", {"model": model, **pair})
+    reloaded = {"opt_a": torch.optim.AdamW(matrices, lr=1.0), "opt_b": torch.optim.SGD(vectors)}
+    fabric.load(path + "-two", {"model": model, **reloaded})
+    messages["reloaded lrs"] = [reloaded[k].param_groups[0]["lr"] for k in ("opt_a", "opt_b")]
     stepped = fl.build_llama()
     used = torch.optim.AdamW(stepped.parameters())
     stepped(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
@@ -303,3 +311,4 @@ def test_mistakes_are_refused_with_the_fix(checkpoints):
     assert "filters an optimizer" in messages["filtered optimizer"]
     assert "already has state" in messages["optimizer with state"]
     assert messages["refused before sharding"]
+    assert messages["reloaded lrs"] == [0.1, 0.2]

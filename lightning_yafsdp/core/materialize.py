@@ -297,7 +297,7 @@ class Materializer:
         untouched = [
             item
             for item, version in zip(initialized, versions, strict=True)
-            if _still_poisoned(item[2], version)
+            if _still_poisoned(item[2], version) and not _buffer_replaced(*item)
         ]
         if untouched:
             raise RuntimeError(self._uninitialized_message(untouched, fix=fix))
@@ -516,6 +516,17 @@ def _poison(tensor: torch.Tensor) -> int:
         else:
             tensor.fill_(_sentinel(tensor.dtype))
     return tensor._version
+
+
+def _buffer_replaced(module: nn.Module, attr: str, allocated: torch.Tensor) -> bool:
+    """The init code assigned a new real tensor to the buffer instead of writing into it.
+
+    litgpt's ``GPT.reset_parameters`` does ``self.cos, self.sin = self.rope_cache(...)``:
+    the buffer is set, just not in place. (A parameter must be written in place: the
+    group has already taken the allocated one.)
+    """
+    now = module._buffers.get(attr) if attr in module._buffers else None
+    return now is not None and now is not allocated and not now.is_meta
 
 
 def _still_poisoned(tensor: torch.Tensor, version: int) -> bool:
