@@ -272,6 +272,11 @@ def _refusals(tmp: str) -> dict:
         warnings.simplefilter("always")
         fl.train_steps(fabric, model, optimizer, range(1))
     messages["no_backward_sync warnings"] = [str(w.message) for w in caught]
+    with fabric.strategy.summon_full_params(model):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+    messages["summoned full weights"] = all(
+        torch.equal(inside[k], v) for k, v in fl.full_weights(model).items()
+    )
     path = os.path.join(tmp, "refusals")
     fabric.save(path, {"model": model, "optimizer": optimizer, "step": 1})
     capture("load without model", lambda: fabric.load(path))
@@ -312,3 +317,4 @@ def test_mistakes_are_refused_with_the_fix(checkpoints):
     assert "already has state" in messages["optimizer with state"]
     assert messages["refused before sharding"]
     assert messages["reloaded lrs"] == [0.1, 0.2]
+    assert messages["summoned full weights"]

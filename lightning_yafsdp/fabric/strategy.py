@@ -284,6 +284,17 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         )
         return optimizer
 
+    @contextmanager
+    def summon_full_params(
+        self, module: nn.Module, *, writeback: bool = False
+    ) -> Generator[None, None, None]:
+        """The full weights in ``module`` for the block (collective; see the Trainer's)."""
+        inner = getattr(module, "_forward_module", module)
+        with engine_of(inner, action="summon_full_params").summon_full_params(
+            writeback=writeback
+        ):
+            yield
+
     # -- a training step -------------------------------------------------------------------
 
     @override
