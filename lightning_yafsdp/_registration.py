@@ -103,11 +103,32 @@ def _reading_sharded_directories(reader: Callable[..., Any]) -> Callable[..., An
             if os.path.isfile(path_or_url) or looks_like_sharded_checkpoint(path_or_url):
                 verify_checkpoint(path_or_url)
             if looks_like_sharded_checkpoint(path_or_url):
-                return _lightning_checkpoint_from_directory(path_or_url, *args, **kwargs)
-        return reader(path_or_url, *args, **kwargs)
+                checkpoint = _lightning_checkpoint_from_directory(path_or_url, *args, **kwargs)
+                return _as_lightning_checkpoint(checkpoint)
+        return _as_lightning_checkpoint(reader(path_or_url, *args, **kwargs))
 
     read_checkpoint._yafsdp_reads_sharded_directories = True  # type: ignore[attr-defined]
     return read_checkpoint
+
+
+def _as_lightning_checkpoint(checkpoint: Any) -> Any:
+    """A checkpoint written by ``fabric.save`` as ``load_from_checkpoint`` reads one.
+
+    Fabric records no Lightning version, and a full file keeps the weights under the
+    user's key ([Note: one checkpoint format for Fabric and the Trainer]).
+    """
+    from lightning_yafsdp.checkpoint.full import FABRIC_KEYS, STATE_DICT_KEY
+
+    if not isinstance(checkpoint, dict) or FABRIC_KEYS not in checkpoint:
+        return checkpoint
+    import lightning
+
+    checkpoint = dict(checkpoint)
+    checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
+    module_key = checkpoint[FABRIC_KEYS].get("module")
+    if STATE_DICT_KEY not in checkpoint and module_key in checkpoint:
+        checkpoint[STATE_DICT_KEY] = checkpoint[module_key]
+    return checkpoint
 
 
 def _lightning_checkpoint_from_directory(

@@ -62,7 +62,9 @@ from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, opti
 from lightning_yafsdp.checkpoint.fabric_format import (
     FABRIC_KEYS,
     as_trainer_checkpoint,
+    check_trainer_can_resume,
     fabric_entries,
+    read_checkpoint_extras,
 )
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
@@ -443,26 +445,26 @@ class YaFSDPStrategy(ParallelStrategy):
         # the fit's optimizers around, which must not be touched (or counted).
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
+        path = self.broadcast(checkpoint_path)
+        # [Note: one checkpoint format for Fabric and the Trainer]: refused before loading.
+        extras = read_checkpoint_extras(path)
+        schedulers = len(trainer.lr_scheduler_configs) if fitting else 0
+        check_trainer_can_resume(extras, num_schedulers=schedulers)
         checkpoint = load_lightning_checkpoint(
-            self.broadcast(checkpoint_path),
+            path,
             engine=self.engine,
             optimizers=self.optimizers if fitting else (),
             strict=self.lightning_module.strict_loading,
         )
         if FABRIC_KEYS not in checkpoint:
             return checkpoint
-        # [Note: one checkpoint format for Fabric and the Trainer]
         rank_zero_warn(
             f"{checkpoint_path} was written by Fabric: the weights and optimizer states are "
             "restored; the Trainer's step and epoch counters start at 0 (a Fabric loop keeps "
             f"its own, here in the entries {fabric_entries(checkpoint)}, which "
             "on_load_checkpoint receives)"
         )
-        return as_trainer_checkpoint(
-            checkpoint,
-            num_schedulers=len(trainer.lr_scheduler_configs) if fitting else 0,
-            lightning_version=lightning.__version__,
-        )
+        return as_trainer_checkpoint(checkpoint, lightning_version=lightning.__version__)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -83,7 +83,7 @@ def _load_raw_roundtrip(tmp: str, weights: dict) -> bool:
 
 def _two_rank_runs(tmp: str) -> dict:
     runs = {
-        "ddp": _run("ddp"),
+        "ddp": _run("ddp", save=(os.path.join(tmp, "ddp.ckpt"), 3)),
         "yafsdp": _run("yafsdp", save=(os.path.join(tmp, "sharded"), 3)),
         "yafsdp_joint": _run(
             YaFSDPStrategy(state_dict_type="full"),
@@ -155,9 +155,9 @@ def test_load_raw_reads_a_full_state_dict_into_the_sharded_model(runs):
 # -- checkpoints at other world sizes --------------------------------------------------
 
 
-def _resume(path: str) -> dict:
-    fabric = fl.make_fabric("yafsdp")
-    with fabric.init_module(empty_init=True):
+def _resume(path: str, strategy: str = "yafsdp") -> dict:
+    fabric = fl.make_fabric(strategy)
+    with fabric.init_module(empty_init=strategy == "yafsdp"):
         model = fl.build_llama()
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
@@ -167,10 +167,18 @@ def _resume(path: str) -> dict:
     return {"step": state["step"], "remainder": sorted(remainder), "losses": losses}
 
 
-def _resume_both(checkpoints: str) -> dict:
+_RESUMED = {  # what resumes: (checkpoint, strategy that loads it, run it must continue)
+    "sharded": ("sharded", "yafsdp", "yafsdp"),
+    "full": ("full.ckpt", "yafsdp", "yafsdp_joint"),
+    "ddp's file, read by yafsdp": ("ddp.ckpt", "yafsdp", "ddp"),
+    "our full file, read by ddp": ("full.ckpt", "ddp", "yafsdp_joint"),
+}
+
+
+def _resume_all(checkpoints: str) -> dict:
     return {
-        kind: _resume(os.path.join(checkpoints, name))
-        for kind, name in (("sharded", "sharded"), ("full", "full.ckpt"))
+        kind: _resume(os.path.join(checkpoints, name), strategy)
+        for kind, (name, strategy, _) in _RESUMED.items()
     }
 
 
@@ -178,13 +186,22 @@ def _resume_both(checkpoints: str) -> dict:
 def test_a_checkpoint_saved_at_step_3_continues_exactly_at_another_world_size(
     runs, checkpoints, world_size
 ):
-    resumed = dist_run(world_size, _resume_both, checkpoints, timeout_s=240)[0]
-    for kind, reference in (("sharded", runs["yafsdp"]), ("full", runs["yafsdp_joint"])):
+    resumed = dist_run(world_size, _resume_all, checkpoints, timeout_s=240)[0]
+    for kind, (_, _, run) in _RESUMED.items():
+        reference = runs[run]
         assert resumed[kind]["step"] == 3, kind
-        assert resumed[kind]["remainder"] == [], kind
+        # Fabric's ddp hands back what it does not know: our two bookkeeping entries.
+        leftover = ["yafsdp", "yafsdp_fabric"] if kind.endswith("by ddp") else []
+        assert resumed[kind]["remainder"] == leftover, kind
         torch.testing.assert_close(
             resumed[kind]["losses"], reference["losses"][3:], rtol=LOSS_RTOL, atol=0
         )
+
+
+def test_a_full_fabric_checkpoint_has_fabrics_own_layout(runs, checkpoints):
+    saved = torch.load(os.path.join(checkpoints, "full.ckpt"), weights_only=True)
+    assert {"model", "optimizer", "step"} <= saved.keys()
+    assert saved["model"].keys() == runs["ddp"]["weights"].keys()  # litgpt reads ["model"]
 
 
 def test_yafsdp_inspect_and_export_read_a_fabric_checkpoint(runs, checkpoints, tmp_path, capsys):
@@ -201,31 +218,51 @@ def test_yafsdp_inspect_and_export_read_a_fabric_checkpoint(runs, checkpoints, t
 # -- the Trainer reads Fabric's checkpoints and the other way round -------------------
 
 
-def _fabric_then_trainer_then_fabric(tmp: str) -> dict:
-    # Fabric trains the LightningModule 3 steps and saves; the Trainer resumes for 2
-    # steps and saves; Fabric loads that and takes the last step. The losses must be
-    # those of one uninterrupted Fabric run.
-    fabric = fl.make_fabric("yafsdp")
-    model = fabric.setup_module(fl.FabricAndTrainerLM())
-    optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
-    reference = fl.train_steps(fabric, model, optimizer, range(3))
-    fabric_ckpt = os.path.join(tmp, "from-fabric")
-    fabric.save(fabric_ckpt, {"model": model, "optimizer": optimizer, "iteration": 3})
-    reference += fl.train_steps(fabric, model, optimizer, range(3, fl.STEPS))
+class _WithScheduler(fl.FabricAndTrainerLM):
+    def configure_optimizers(self):
+        optimizer = fl.decay_split_adamw(self)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}
 
-    module = fl.FabricAndTrainerLM()
-    trainer = pl.Trainer(
-        strategy="yafsdp", accelerator="cpu", devices=dist.get_world_size(), max_steps=2,
+
+def _trainer(max_steps: int) -> pl.Trainer:
+    return pl.Trainer(
+        strategy="yafsdp", accelerator="cpu", devices=dist.get_world_size(), max_steps=max_steps,
         accumulate_grad_batches=fl.ACCUMULATION, gradient_clip_val=fl.CLIP,
         use_distributed_sampler=False, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
+
+
+def _fabric_then_trainer_then_fabric(tmp: str, kind: str) -> dict:
+    # Fabric trains the LightningModule 3 steps and saves; the Trainer resumes for 2
+    # steps and saves; Fabric loads that and takes the last step. The losses must be
+    # those of one uninterrupted Fabric run.
+    fabric = fl.make_fabric(YaFSDPStrategy(state_dict_type=kind))
+    model = fabric.setup_module(fl.FabricAndTrainerLM())
+    optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
+    reference = fl.train_steps(fabric, model, optimizer, range(3))
+    fabric_ckpt = os.path.join(tmp, f"from-fabric-{kind}")
+    fabric.save(fabric_ckpt, {"model": model, "optimizer": optimizer, "iteration": 3})
+    at_step_3 = fl.full_weights(model)
+    reference += fl.train_steps(fabric, model, optimizer, range(3, fl.STEPS))
     rows = fl.StepRows(range(3, 5), dist.get_rank(), dist.get_world_size())
     loader = torch.utils.data.DataLoader(rows, batch_size=None)
+
+    refused = _WithScheduler()
+    try:
+        _trainer(2).fit(refused, loader, ckpt_path=fabric_ckpt)
+        scheduler_error = None
+    except CheckpointMismatchError as error:
+        scheduler_error = str(error)
+    untouched = fl.full_weights(refused)
+    fresh = fl.build_llama().state_dict()
+    module = fl.FabricAndTrainerLM()
+    trainer = _trainer(2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, loader, ckpt_path=fabric_ckpt)
-    trainer_ckpt = os.path.join(tmp, "from-trainer")
+    trainer_ckpt = os.path.join(tmp, f"from-trainer-{kind}")
     trainer.save_checkpoint(trainer_ckpt)
 
     fabric = fl.make_fabric("yafsdp")
@@ -233,19 +270,24 @@ def _fabric_then_trainer_then_fabric(tmp: str) -> dict:
     optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
     state = {"model": model, "optimizer": optimizer, "global_step": 0}
     remainder = fabric.load(trainer_ckpt, state)
-    last = fl.train_steps(fabric, model, optimizer, range(5, fl.STEPS))
     return {
         "reference": reference,
+        "at_step_3": at_step_3,
+        "scheduler_error": scheduler_error,
+        "refused_left_untouched": all(
+            torch.equal(untouched[f"model.{k}"], v) for k, v in fresh.items()
+        ),
         "trainer_micro_losses": module.micro_losses,
         "warnings": [str(w.message) for w in caught],
         "global_step_from_trainer": state["global_step"],
         "remainder": sorted(remainder),
-        "last": last,
+        "last": fl.train_steps(fabric, model, optimizer, range(5, fl.STEPS)),
     }
 
 
-def test_a_fabric_checkpoint_resumes_in_the_trainer_and_back(checkpoints):
-    results = dist_run(2, _fabric_then_trainer_then_fabric, checkpoints, timeout_s=300)
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_fabric_checkpoint_resumes_in_the_trainer_and_back(checkpoints, kind):
+    results = dist_run(2, _fabric_then_trainer_then_fabric, checkpoints, kind, timeout_s=300)
     reference = results[0]["reference"]
     # The Trainer logs each rank's micro-batch losses; the Fabric loop the mean per step.
     per_rank = torch.tensor([r["trainer_micro_losses"] for r in results])
@@ -255,6 +297,15 @@ def test_a_fabric_checkpoint_resumes_in_the_trainer_and_back(checkpoints):
     torch.testing.assert_close(results[0]["last"], reference[5:], rtol=LOSS_RTOL, atol=0)
     assert results[0]["global_step_from_trainer"] == 2
     assert "loops" in results[0]["remainder"]
+    # A Trainer with an LR scheduler is refused before anything is loaded.
+    assert "records no Trainer LR schedulers" in results[0]["scheduler_error"]
+    assert results[0]["refused_left_untouched"]
+    # LightningModule.load_from_checkpoint reads it too.
+    loaded = fl.FabricAndTrainerLM.load_from_checkpoint(
+        os.path.join(checkpoints, f"from-fabric-{kind}"), map_location="cpu"
+    ).state_dict()
+    for name, value in results[0]["at_step_3"].items():
+        assert torch.equal(loaded[name], value), name
 
 
 # -- what is refused, and how ---------------------------------------------------------

@@ -2,18 +2,20 @@
 
 [Note: one checkpoint format for Fabric and the Trainer]
 A Fabric state is a dict the user names, ``{"model": model, "optimizer": opt, "step": 3}``.
-It is written exactly as the Trainer writes its checkpoint dict
-(``lightning_format.py``): the sharded module's weights as the model entry, the
-optimizers' states in the order they appear, every other entry in ``meta.pt`` (or the
-file), and ``FABRIC_KEYS`` recording which entry was the module and which were the
-optimizers. So each front door reads what the other wrote, and ``yafsdp inspect`` /
-``export`` read both:
+A sharded save is laid out as the Trainer's (``lightning_format.py``): the sharded
+module's weights as the model entry, the optimizers' states in the order they appear,
+every other entry in ``meta.pt``. A full file keeps Fabric's own layout, each entry under
+the user's key (``torch.load(f)["model"]``, as Fabric's other strategies and litgpt's
+scripts read it). Both record in ``FABRIC_KEYS`` which entry was the module and which
+were the optimizers. So each front door reads what the other wrote, and ``yafsdp
+inspect`` / ``export`` read both:
 
 - Fabric loading a Trainer checkpoint: the module gets the weights, the optimizers the
   saved optimizer states in the order they are given in ``state``; the Trainer's own
   entries (``global_step``, ``loops``, ``callbacks``...) are returned, or put into
   ``state`` where it asks for them by name.
-- Fabric loading a Fabric checkpoint: optimizers are matched by their names.
+- Fabric loading a Fabric checkpoint: optimizers are matched by their names; a full file
+  of Fabric's ``"ddp"`` / FSDP strategies by the keys given in ``state``.
 - The Trainer loading a Fabric checkpoint: see ``as_trainer_checkpoint``.
 
 Nothing here imports lightning: Fabric's "stateful" objects are anything with
@@ -33,20 +35,22 @@ from torch import nn
 from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
 from lightning_yafsdp.checkpoint.full import (
+    FABRIC_KEYS,
     OPTIMIZER_STATES_KEY,
     STATE_DICT_KEY,
     load_full,
+    save_full,
     split_full_checkpoint,
 )
-from lightning_yafsdp.checkpoint.lightning_format import (
-    load_lightning_checkpoint,
-    save_lightning_checkpoint,
+from lightning_yafsdp.checkpoint.lightning_format import load_lightning_checkpoint
+from lightning_yafsdp.checkpoint.sharded import (
+    FORMAT_KEY,
+    META_FILENAME,
+    load_sharded,
+    save_sharded,
 )
-from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, META_FILENAME, load_sharded
 from lightning_yafsdp.core import YaFSDPEngine
 
-# {"module": key, "optimizers": [key, ...], "entries": [every other key, ...]}
-FABRIC_KEYS = "yafsdp_fabric"
 _RESERVED = (STATE_DICT_KEY, OPTIMIZER_STATES_KEY, FABRIC_KEYS, FORMAT_KEY)
 
 Filter = Mapping[str, Callable[[str, Any], bool]]
@@ -80,16 +84,25 @@ def save_fabric_checkpoint(
         else:
             value = obj.state_dict() if _is_stateful(obj) else obj
             checkpoint[key] = _filtered(key, value, filter)
-    checkpoint[STATE_DICT_KEY] = _filtered(
-        module_key, model_entry(engine, module, state_dict_type), filter
-    )
-    checkpoint[OPTIMIZER_STATES_KEY] = optimizer_states
-    checkpoint[FABRIC_KEYS] = {
-        "module": module_key,
-        "optimizers": optimizer_keys,
-        "entries": [key for key in checkpoint if key not in _RESERVED],
-    }
-    save_lightning_checkpoint(checkpoint, path, engine=engine, state_dict_type=state_dict_type)
+    names = {"module": module_key, "optimizers": optimizer_keys, "entries": list(checkpoint)}
+    model_state = _filtered(module_key, model_entry(engine, module, state_dict_type), filter)
+    if state_dict_type == "full":
+        save_full(
+            path,
+            engine,
+            extra=checkpoint,
+            model_state=model_state,
+            optimizer_states=optimizer_states,
+            fabric_keys=names,
+        )
+    else:
+        save_sharded(
+            path,
+            engine,
+            extra={**checkpoint, FABRIC_KEYS: names},
+            model_state=model_state,
+            optimizer_states=optimizer_states,
+        )
 
 
 def load_fabric_checkpoint(
@@ -101,19 +114,28 @@ def load_fabric_checkpoint(
     saved ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint.
     """
     module_key, _, engine = sharded_module_in(state, action="load")
-    extras = _read_extras(path)
-    saved = extras.get(FABRIC_KEYS, {})
-    optimizers = _optimizers_in_saved_order(state, saved.get("optimizers"), path)
-    requested = [key for key, obj in state.items() if key != module_key and key not in optimizers]
-    available = {*extras, *extras.get(FORMAT_KEY, {}).get("sharded_keys", ())}
-    missing = [key for key in requested if key not in available]
-    if strict and extras and missing:
-        raise KeyError(
-            f"The requested state contains a key {missing[0]!r} that does not exist in the "
-            f"loaded checkpoint {str(path)!r}. To disable strict loading, set `strict=False`."
-        )
+    given = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+    # What a Fabric file of another strategy holds under the keys of this state.
+    expected = {"module": module_key, "optimizers": list(given)}
+    extras = read_checkpoint_extras(path, expected)
+    saved = (extras or {}).get(FABRIC_KEYS, {})
+    optimizers = _optimizers_to_load(given, saved.get("optimizers"), path, strict=strict)
+    requested = [key for key in state if key != module_key and key not in given]
+    if strict and extras is not None:
+        available = {*extras, *extras.get(FORMAT_KEY, {}).get("sharded_keys", ())}
+        missing = [key for key in requested if key not in available]
+        if missing:
+            raise KeyError(
+                f"The requested state contains a key {missing[0]!r} that does not exist in "
+                f"the loaded checkpoint {str(path)!r}. To disable strict loading, set "
+                "`strict=False`."
+            )
     rest = load_lightning_checkpoint(
-        path, engine=engine, optimizers=list(optimizers.values()), strict=strict
+        path,
+        engine=engine,
+        optimizers=list(optimizers.values()),
+        strict=strict,
+        expected={"module": module_key, "optimizers": list(optimizers)},
     )
     for key in _RESERVED:
         rest.pop(key, None)
@@ -138,23 +160,29 @@ def load_raw_into(path: str | os.PathLike, obj: Any, *, strict: bool = True) -> 
         load_full(path, engine, strict=strict)
 
 
-def as_trainer_checkpoint(
-    rest: dict[str, Any], *, num_schedulers: int, lightning_version: str
-) -> dict[str, Any]:
+def check_trainer_can_resume(extras: Mapping[str, Any] | None, *, num_schedulers: int) -> None:
+    """Before loading: a Fabric checkpoint records no LR schedulers for a Trainer that has some.
+
+    Which Fabric entry is which scheduler is unknown, and restoring none would silently
+    restart their schedules.
+    """
+    if extras is None or FABRIC_KEYS not in extras or not num_schedulers:
+        return
+    raise CheckpointMismatchError(
+        "this checkpoint was written by Fabric, which records no Trainer LR schedulers, "
+        f"but the LightningModule configures {num_schedulers}; restore them yourself in "
+        f"on_load_checkpoint from the Fabric entries {fabric_entries(extras)}, or resume "
+        "without schedulers"
+    )
+
+
+def as_trainer_checkpoint(rest: dict[str, Any], *, lightning_version: str) -> dict[str, Any]:
     """What the Trainer restores from a Fabric checkpoint (``rest`` of the load).
 
     A Fabric loop has no Trainer loops or scheduler list: the weights and optimizer
     states are restored (by position), the loop counters start at 0, and the user's
-    own entries stay in the dict for ``LightningModule.on_load_checkpoint``. A Trainer
-    with LR schedulers refuses: which Fabric entry is which scheduler is unknown.
+    own entries stay in the dict for ``LightningModule.on_load_checkpoint``.
     """
-    if num_schedulers:
-        raise CheckpointMismatchError(
-            "this checkpoint was written by Fabric, which records no Trainer LR schedulers, "
-            f"but the LightningModule configures {num_schedulers}; restore them yourself in "
-            f"on_load_checkpoint from the Fabric entries {fabric_entries(rest)}, or resume "
-            "without schedulers"
-        )
     checkpoint = dict(rest)
     checkpoint.setdefault("pytorch-lightning_version", lightning_version)
     checkpoint.setdefault("lr_schedulers", [])
@@ -201,32 +229,42 @@ def sharded_module_in(state: Mapping[str, Any], *, action: str):
     return found[0]
 
 
-def _optimizers_in_saved_order(
-    state: Mapping[str, Any], saved_names: list[str] | None, path: Any
+def _optimizers_to_load(
+    given: dict[str, torch.optim.Optimizer],
+    saved_names: list[str] | None,
+    path: Any,
+    *,
+    strict: bool,
 ) -> dict[str, torch.optim.Optimizer]:
-    given = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
-    if saved_names is None or not given:  # a Trainer checkpoint: by position
+    """The optimizers to load, in the order their states were saved."""
+    if saved_names is None or not given:  # not written by fabric.save: by position
         return given
-    if sorted(given) != sorted(saved_names):
-        raise CheckpointMismatchError(
-            f"checkpoint {str(path)!r} holds the optimizers {saved_names} but the state gives "
-            f"{sorted(given)}; give all of them under the same names, or none (weights only)"
-        )
-    return {name: given[name] for name in saved_names}
+    if sorted(given) == sorted(saved_names):
+        return {name: given[name] for name in saved_names}
+    if not strict and not set(given) & set(saved_names):
+        return {}  # none of them was saved: the weights only, as strict=False allows
+    raise CheckpointMismatchError(
+        f"checkpoint {str(path)!r} holds the optimizers {saved_names} but the state gives "
+        f"{sorted(given)}; give all of them under the same names, or none (weights only)"
+    )
 
 
-def _read_extras(path: str | os.PathLike) -> dict[str, Any]:
-    """The non-tensor entries of a checkpoint, to check a load before it starts ({} if unread)."""
+def read_checkpoint_extras(
+    path: str | os.PathLike, expected: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The entries of a checkpoint beside its weights and optimizer states, read cheaply.
+
+    For checks before a load starts; ``None`` if it cannot be read (the load itself then
+    reports the damaged or missing checkpoint).
+    """
     path = Path(path)
     try:
         if path.is_dir():
             return torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
-        _, _, rest = split_full_checkpoint(
-            torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        )
-        return rest
-    except Exception:  # noqa: BLE001 - the load itself reports a damaged or missing checkpoint
-        return {}
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return split_full_checkpoint(checkpoint, expected)[2]
+    except Exception:  # noqa: BLE001 - see above
+        return None
 
 
 def _restore_entry(state: dict[str, Any], key: str, value: Any, *, strict: bool) -> None:

@@ -48,6 +48,10 @@ from lightning_yafsdp.core import YaFSDPEngine
 
 STATE_DICT_KEY = "state_dict"
 OPTIMIZER_STATES_KEY = "optimizer_states"
+# Written by fabric.save: {"module": key, "optimizers": [key, ...], "entries": [...]}, the
+# names under which the weights and optimizer states sit ([Note: one checkpoint format
+# for Fabric and the Trainer] in fabric_format.py).
+FABRIC_KEYS = "yafsdp_fabric"
 
 
 def save_full(
@@ -59,6 +63,7 @@ def save_full(
     prefix: str = "",
     model_state: Mapping[str, Any] | None = None,
     optimizer_states: Sequence[Mapping[str, Any]] | None = None,
+    fabric_keys: Mapping[str, Any] | None = None,
 ) -> None:
     """Write one ``torch.save`` file with full weights and optimizer state (rank 0 writes).
 
@@ -73,6 +78,9 @@ def save_full(
             layout, already full on rank 0 (``full_optimizer_state_dict``).
         extra: saved alongside (``{**extra, "state_dict": ..., "optimizer_states": ...}``);
             sharded tensors in it are gathered too.
+        fabric_keys: Fabric's layout instead (``{**extra, "model": ..., "optimizer": ...}``
+            under the names it gives, recorded as ``FABRIC_KEYS``), which Fabric's other
+            strategies and litgpt's scripts read.
 
     Raises:
         CheckpointSaveError: on every rank when rank 0 failed to write.
@@ -83,21 +91,23 @@ def save_full(
         optimizer_states = [
             sharded_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
         ]
+    model_key, optimizer_keys = _entry_names(fabric_keys, len(optimizer_states))
     checkpoint = {
         **dict(extra or {}),
-        STATE_DICT_KEY: dict(model_state),
-        OPTIMIZER_STATES_KEY: list(optimizer_states),
+        model_key: dict(model_state),
+        **dict(zip(optimizer_keys, optimizer_states, strict=True)),
     }
+    if fabric_keys is not None:
+        checkpoint[FABRIC_KEYS] = dict(fabric_keys)
     sharded_optimizers = [has_sharded_leaves(state) for state in optimizer_states]
     checkpoint = gather_full(checkpoint, group=engine.group)
     if engine.rank == 0:
         checkpoint = map_leaves(checkpoint, lambda _, v: _on_cpu(v))
-        checkpoint[OPTIMIZER_STATES_KEY] = [
-            to_torch_layout(state) if sharded else state
-            for state, sharded in zip(
-                checkpoint[OPTIMIZER_STATES_KEY], sharded_optimizers, strict=True
-            )
-        ]
+        for key, sharded in zip(optimizer_keys, sharded_optimizers, strict=True):
+            if sharded:
+                checkpoint[key] = to_torch_layout(checkpoint[key])
+        if fabric_keys is None:
+            checkpoint[OPTIMIZER_STATES_KEY] = [checkpoint.pop(k) for k in optimizer_keys]
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states), prefix=prefix)
     atomic.atomic_file(path, lambda tmp: torch.save(checkpoint, tmp), group=engine.group)
 
@@ -109,11 +119,14 @@ def load_full(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     prefix: str = "",
     strict: bool = True,
+    expected: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load a single-file checkpoint into ``engine`` and ``optimizers`` (every rank reads it).
 
     The file is memory-mapped, so each rank touches only the pages of its own
     elements. Not collective.
+
+    ``expected`` names the entries of a Fabric file (see ``split_full_checkpoint``).
 
     Returns:
         The checkpoint without its weights and optimizer states.
@@ -135,7 +148,7 @@ def load_full(
         ) from exc
     if not isinstance(checkpoint, dict):
         raise NotACheckpointError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a dict")
-    model_state, optimizer_states, rest = split_full_checkpoint(checkpoint)
+    model_state, optimizer_states, rest = split_full_checkpoint(checkpoint, expected)
     if optimizers and len(optimizer_states) != len(optimizers):
         raise CheckpointMismatchError(
             f"checkpoint {path} holds the state of {len(optimizer_states)} optimizer(s) but "
@@ -160,6 +173,13 @@ def load_full(
     return rest
 
 
+def _entry_names(fabric_keys: Mapping[str, Any] | None, count: int) -> tuple[str, list[str]]:
+    """Where the weights and each optimizer state go (temporary names in Lightning's layout)."""
+    if fabric_keys is None:
+        return STATE_DICT_KEY, [f"{OPTIMIZER_STATES_KEY}.{i}" for i in range(count)]
+    return fabric_keys["module"], list(fabric_keys["optimizers"])
+
+
 def _name_keyed(
     index: ShardIndex, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
 ) -> Mapping[str, Any]:
@@ -174,9 +194,20 @@ def _on_cpu(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
-def split_full_checkpoint(checkpoint: dict) -> tuple[dict, list, dict]:
-    """``(weights, optimizer states, the rest)`` of any supported single-file layout."""
+def split_full_checkpoint(
+    checkpoint: dict, expected: Mapping[str, Any] | None = None
+) -> tuple[dict, list, dict]:
+    """``(weights, optimizer states, the rest)`` of any supported single-file layout.
+
+    A file written by ``fabric.save`` names its entries (``FABRIC_KEYS``); ``expected``
+    names them (same shape) for a Fabric file of another strategy, which does not.
+    """
     rest = dict(checkpoint)
+    layout = rest.get(FABRIC_KEYS) or expected
+    if layout and layout.get("module") in rest:
+        model_state = rest.pop(layout["module"])
+        optimizer_states = [rest.pop(k) for k in layout.get("optimizers", ()) if k in rest]
+        return dict(model_state), optimizer_states, rest
     if STATE_DICT_KEY in rest:
         model_state = rest.pop(STATE_DICT_KEY)
     elif "model" in rest and isinstance(rest["model"], Mapping):

@@ -13,7 +13,7 @@ gathered to a full tensor (``"full"``). Nothing here imports lightning.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -69,12 +69,14 @@ def load_lightning_checkpoint(
     engine: YaFSDPEngine,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
+    expected: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load weights and optimizer states in place; return the rest for Lightning to restore.
 
     Collective. ``path`` may be one of our sharded directories, a full file
     (ours, a DDP/single-device Lightning checkpoint, a consolidated one) or a bare
-    state dict file. The returned dict's ``"state_dict"`` is the module's
+    state dict file (``expected``: the entry names of a Fabric file that does not record
+    them, see ``full.split_full_checkpoint``). The returned dict's ``"state_dict"`` is the module's
     ``state_dict()`` after loading (sharded views), for hooks and callbacks that
     read it (``WeightAveraging.on_load_checkpoint``).
 
@@ -86,7 +88,7 @@ def load_lightning_checkpoint(
     if path.is_file():
         # load_full verifies on every rank (it is not collective); here rank 0 speaks first.
         verify_on_rank_zero(path, group=engine.group)
-        rest = load_full(path, engine, optimizers=optimizers, strict=strict)
+        rest = load_full(path, engine, optimizers=optimizers, strict=strict, expected=expected)
     else:  # recovers an interrupted commit, then verifies on rank 0
         rest = load_sharded(path, engine, optimizers=optimizers, strict=strict)
     rest[STATE_DICT_KEY] = module_state(engine)

@@ -4,7 +4,8 @@
 out of the model's ``forward`` is converted as Fabric's own plugins for the same flag
 do under DDP (``MixedPrecision`` / ``HalfPrecision``): floating inputs to bf16 under
 ``bf16-mixed`` and ``bf16-true``, floating outputs back to the default dtype; under
-``bf16-true`` ``fabric.init_module()`` builds in bf16. The master and compute shards
+``bf16-true`` ``fabric.init_module()`` builds in bf16 and ``fabric.setup`` casts the
+module (buffers too) to bf16. The master and compute shards
 are the engine's (fp32 / bf16 / bf16 as in the table). Clipping is the strategy's.
 """
 
@@ -20,6 +21,7 @@ from lightning.fabric.plugins.precision import (
     MixedPrecision,
     Precision,
 )
+from torch import nn
 from typing_extensions import override
 
 from lightning_yafsdp.dtype_policy import (
@@ -64,6 +66,11 @@ class YaFSDPPrecision(Precision):
         if self.precision == "32-true":
             return data
         return cast_floating(data, torch.get_default_dtype())
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        # As Fabric's HalfPrecision under "ddp": the whole module, buffers too, in bf16.
+        return module.to(dtype=torch.bfloat16) if self.precision == "bf16-true" else module
 
     @override
     def tensor_init_context(self) -> AbstractContextManager:

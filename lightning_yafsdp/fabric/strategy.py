@@ -37,6 +37,7 @@ from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncContro
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -194,8 +195,9 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
     @property
     @override
     def precision(self) -> YaFSDPPrecision:
-        plugin = self._precision
-        return plugin if plugin is not None else YaFSDPPrecision("32-true")
+        if self._precision is None:  # used without Fabric's connector, which always sets one
+            self._precision = YaFSDPPrecision("32-true")
+        return self._precision
 
     @precision.setter
     @override
@@ -289,8 +291,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         self, module: nn.Module, *, writeback: bool = False
     ) -> Generator[None, None, None]:
         """The full weights in ``module`` for the block (collective; see the Trainer's)."""
-        inner = getattr(module, "_forward_module", module)
-        with engine_of(inner, action="summon_full_params").summon_full_params(
+        with engine_of(_unwrap(module), action="summon_full_params").summon_full_params(
             writeback=writeback
         ):
             yield
@@ -332,7 +333,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         )
 
     def _engine_of(self, module: nn.Module) -> YaFSDPEngine:
-        return engine_of(getattr(module, "_forward_module", module), action="clip_gradients")
+        return engine_of(_unwrap(module), action="clip_gradients")
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -394,6 +395,14 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         return load_fabric_checkpoint(path, state, strict=strict)
 
 
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The module itself, out of Fabric's wrapper and torch.compile's."""
+    module, _ = _unwrap_compiled(module)
+    if isinstance(module, _FabricModule):
+        module, _ = _unwrap_compiled(module._forward_module)
+    return module
+
+
 class _AccumulatingBackward(_BackwardSyncControl):
     """``fabric.no_backward_sync``: accepted, and nothing to skip.
 
@@ -405,5 +414,5 @@ class _AccumulatingBackward(_BackwardSyncControl):
 
     @override
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        engine_of(module, action="no_backward_sync")  # refuses a module never set up
+        engine_of(_unwrap(module), action="no_backward_sync")  # refuses one never set up
         return nullcontext()
