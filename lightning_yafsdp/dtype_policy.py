@@ -113,9 +113,20 @@ def cast_floating(data: Any, dtype: torch.dtype) -> Any:
     return apply_to_collection(data, torch.Tensor, cast)
 
 
-def refuse_foreign_plugin(plugin: Any) -> TypeError:
-    """The error for a precision plugin that carries its own dtype policy."""
-    return TypeError(
+def adopt_flag_plugin(plugin: Any, ours: type, plain: type, from_flag: tuple[type, ...]) -> Any:
+    """Map the plugin Lightning built from ``precision=`` onto ``ours``; refuse foreign ones.
+
+    Exact types: ``plain`` (32-true) and ``from_flag`` are what the Trainer's or Fabric's
+    connector builds from the flag. Subclasses (FSDPPrecision, DeepSpeedPrecision,
+    bitsandbytes, ...) carry their own dtype policy and are refused.
+    """
+    if plugin is None or isinstance(plugin, ours):
+        return plugin
+    if type(plugin) is plain:
+        return ours("32-true")
+    if type(plugin) in from_flag:
+        return ours(plugin.precision)
+    raise TypeError(
         f"YaFSDPStrategy owns the dtype policy and cannot use the precision plugin "
         f"{type(plugin).__name__}. Remove it from plugins= and pass the precision= flag "
         "instead ('32-true', 'bf16-mixed' or 'bf16-true'), or pass YaFSDPPrecision(...)."

@@ -22,7 +22,7 @@ from lightning.pytorch.plugins.precision import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_yafsdp.dtype_policy import DtypePolicy, cast_floating, refuse_foreign_plugin
+from lightning_yafsdp.dtype_policy import DtypePolicy, adopt_flag_plugin, cast_floating
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -113,13 +113,6 @@ class YaFSDPPrecision(Precision):
 
 
 def to_trainer_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
-    """Map the plugin Lightning built from ``precision=`` onto ours; refuse foreign ones."""
-    if plugin is None or isinstance(plugin, YaFSDPPrecision):
-        return plugin
-    # Exact types: these are what the connector builds from the flag. Subclasses
-    # (FSDPPrecision, DeepSpeedPrecision, bitsandbytes, ...) carry their own policy.
-    if type(plugin) is Precision:
-        return YaFSDPPrecision("32-true")
-    if type(plugin) in (MixedPrecision, HalfPrecision, DoublePrecision):
-        return YaFSDPPrecision(plugin.precision)
-    raise refuse_foreign_plugin(plugin)
+    """Map the plugin the Trainer built from ``precision=`` onto ours; refuse foreign ones."""
+    flag_types = (MixedPrecision, HalfPrecision, DoublePrecision)
+    return adopt_flag_plugin(plugin, YaFSDPPrecision, Precision, flag_types)

@@ -48,13 +48,18 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
-from lightning_yafsdp.adapters.distributed import barrier, broadcast_object, init_process_group
+from lightning_yafsdp.adapters.distributed import (
+    assign_world_ranks,
+    barrier,
+    broadcast_object,
+    init_process_group,
+    register_once,
+)
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.sharding import place_module, shard_module
 from lightning_yafsdp.checkpoint import load_lightning_checkpoint, save_lightning_checkpoint
@@ -160,23 +165,8 @@ class YaFSDPStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         **unknown: Any,
     ) -> None:
-        self._options = ShardingOptions.from_arguments(
-            type(self).__name__,
-            dict(
-                units=units,
-                norm_classes=norm_classes,
-                zero_stage=zero_stage,
-                reduce_dtype=reduce_dtype,
-                activation_checkpointing=activation_checkpointing,
-                param_init_fn=param_init_fn,
-                sync_module_states=sync_module_states,
-                cast_forward_inputs=cast_forward_inputs,
-                timeout=timeout,
-                process_group_backend=process_group_backend,
-                state_dict_type=state_dict_type,
-            ),
-            unknown,
-        )
+        # Every named argument above but the Lightning plumbing (accelerator, devices, ...).
+        self._options = ShardingOptions.from_arguments(type(self).__name__, locals(), unknown)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -192,13 +182,7 @@ class YaFSDPStrategy(ParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Registers ``"yafsdp"``; a second call (re-import, reload) is a no-op."""
-        if cls.strategy_name in strategy_registry:
-            return
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="YaFSDP fully sharded data parallel (lightning_yafsdp)",
-        )
+        register_once(cls, strategy_registry)
 
     # -- what the Trainer asks before anything runs ---------------------------------
 
@@ -286,13 +270,7 @@ class YaFSDPStrategy(ParallelStrategy):
             )
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # The getter, not the setter: some cluster environments ignore set_global_rank.
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        assign_world_ranks(self)
 
     # -- process group, model, optimizers ---------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from lightning.fabric.utilities.distributed import (
@@ -12,6 +12,8 @@ from lightning.fabric.utilities.distributed import (
     _init_dist_connection,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -31,6 +33,28 @@ def init_process_group(
     device_id = root_device if root_device.type != "cpu" else None
     _init_dist_connection(cluster_environment, backend, timeout=timeout, device_id=device_id)
     return backend
+
+
+def assign_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment this process's rank, as DDP does (either front door)."""
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(
+            strategy.node_rank * strategy.num_processes + strategy.local_rank
+        )
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    # The getter, not the setter: some cluster environments ignore set_global_rank.
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
+
+
+def register_once(strategy_class: Any, registry: Any) -> None:
+    """Register ``"yafsdp"``; a second call (re-import, reload) is a no-op."""
+    if strategy_class.strategy_name in registry:
+        return
+    registry.register(
+        strategy_class.strategy_name,
+        strategy_class,
+        description="YaFSDP fully sharded data parallel (lightning_yafsdp)",
+    )
 
 
 def barrier(root_device: torch.device) -> None:

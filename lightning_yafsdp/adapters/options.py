@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -61,11 +61,14 @@ class ShardingOptions:
             )
 
     @classmethod
-    def from_arguments(cls, owner: str, options: dict[str, Any], unknown: dict[str, Any]):
-        """The options, or a TypeError naming each unknown argument and its replacement."""
+    def from_arguments(cls, owner: str, arguments: dict[str, Any], unknown: dict[str, Any]):
+        """The options among a strategy's ``arguments`` (its ``locals()`` in ``__init__``).
+
+        Raises a TypeError naming each unknown argument and its replacement.
+        """
         if unknown:
             raise TypeError(unknown_arguments_message(owner, unknown))
-        return cls(**options)
+        return cls(**{field.name: arguments[field.name] for field in fields(cls)})
 
 
 def unknown_arguments_message(owner: str, unknown: dict[str, Any]) -> str:

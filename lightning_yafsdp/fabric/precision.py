@@ -26,9 +26,9 @@ from typing_extensions import override
 
 from lightning_yafsdp.dtype_policy import (
     DtypePolicy,
+    adopt_flag_plugin,
     cast_floating,
     default_dtype,
-    refuse_foreign_plugin,
 )
 
 _Mode = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -86,12 +86,5 @@ class YaFSDPPrecision(Precision):
 
 def to_fabric_precision(plugin: Precision | None) -> YaFSDPPrecision | None:
     """Map the plugin Fabric built from ``precision=`` onto ours; refuse foreign ones."""
-    if plugin is None or isinstance(plugin, YaFSDPPrecision):
-        return plugin
-    # Exact types: what Fabric's connector builds from the flag for a strategy it does
-    # not know. Subclasses (FSDPPrecision, bitsandbytes, ...) carry their own policy.
-    if type(plugin) is Precision:
-        return YaFSDPPrecision("32-true")
-    if type(plugin) in (MixedPrecision, HalfPrecision, DoublePrecision):
-        return YaFSDPPrecision(plugin.precision)
-    raise refuse_foreign_plugin(plugin)
+    flag_types = (MixedPrecision, HalfPrecision, DoublePrecision)
+    return adopt_flag_plugin(plugin, YaFSDPPrecision, Precision, flag_types)

@@ -35,15 +35,19 @@ from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
 from lightning.fabric.utilities.distributed import ReduceOp, _sync_ddp_if_available
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_yafsdp.adapters.distributed import barrier, broadcast_object, init_process_group
+from lightning_yafsdp.adapters.distributed import (
+    assign_world_ranks,
+    barrier,
+    broadcast_object,
+    init_process_group,
+    register_once,
+)
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.sharding import (
     parameter_names,
@@ -118,23 +122,8 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         precision: Precision | None = None,
         **unknown: Any,
     ) -> None:
-        self._options = ShardingOptions.from_arguments(
-            type(self).__name__,
-            dict(
-                units=units,
-                norm_classes=norm_classes,
-                zero_stage=zero_stage,
-                reduce_dtype=reduce_dtype,
-                activation_checkpointing=activation_checkpointing,
-                param_init_fn=param_init_fn,
-                sync_module_states=sync_module_states,
-                cast_forward_inputs=cast_forward_inputs,
-                timeout=timeout,
-                process_group_backend=process_group_backend,
-                state_dict_type=state_dict_type,
-            ),
-            unknown,
-        )
+        # Every named argument above but the Lightning plumbing (accelerator, devices, ...).
+        self._options = ShardingOptions.from_arguments(type(self).__name__, locals(), unknown)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -151,13 +140,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Registers ``"yafsdp"``; a second call (re-import, reload) is a no-op."""
-        if cls.strategy_name in strategy_registry:
-            return
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="YaFSDP fully sharded data parallel (lightning_yafsdp)",
-        )
+        register_once(cls, strategy_registry)
 
     # -- what Fabric asks before anything runs ------------------------------------------
 
@@ -213,13 +196,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
             )
 
     def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # The getter, not the setter: some cluster environments ignore set_global_rank.
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        assign_world_ranks(self)
 
     # -- process group, model, optimizers ---------------------------------------------
 
