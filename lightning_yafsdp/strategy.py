@@ -187,6 +187,11 @@ class YaFSDPStrategy(ParallelStrategy):
     # -- what the Trainer asks before anything runs ---------------------------------
 
     @property
+    def options(self) -> ShardingOptions:
+        """The sharding options this strategy was built with (read-only)."""
+        return self._options
+
+    @property
     def engine(self) -> YaFSDPEngine:
         """The engine of the sharded LightningModule (after ``setup``)."""
         if self._engine is None:

@@ -324,6 +324,7 @@ def test_the_name_and_the_precision_flags_map_onto_the_fabric_strategy():
             L.Fabric(strategy="yafsdp", accelerator="cpu", devices=2, precision=flag)
     with pytest.raises(TypeError, match="units="):
         YaFSDPStrategy(auto_wrap_policy={torch.nn.Linear})
+    assert YaFSDPStrategy(zero_stage=2, state_dict_type="full").options.zero_stage == 2
 
 
 def _refusals(tmp: str) -> dict:

@@ -101,7 +101,7 @@ def test_practice_switch_sets_the_model_flag_and_leaves_unit_inputs_uncast() -> 
             model = build_model(config)
         assert model.config.fp32_residual is flag
         strategy = build_strategy(config, estimate(config, world_size=1))
-        assert strategy._cast_forward_inputs is (not flag)
+        assert strategy.options.cast_forward_inputs is (not flag)
 
 
 def test_practice_switch_is_rejected_for_hugging_face_models() -> None:

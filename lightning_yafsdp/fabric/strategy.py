@@ -172,6 +172,11 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         return self._process_group_backend
 
     @property
+    def options(self) -> ShardingOptions:
+        """The sharding options this strategy was built with (read-only)."""
+        return self._options
+
+    @property
     def state_dict_type(self) -> StateDictType:
         return self._options.state_dict_type
 
