@@ -11,6 +11,8 @@ Fabric). One ``dist_run`` per world size returns plain facts; the tests compare 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 
 import lightning as L
@@ -401,3 +403,43 @@ def test_mistakes_are_refused_with_the_fix(checkpoints):
     assert messages["reloaded lrs"] == [0.1, 0.2]
     assert messages["summoned full weights"]
     assert "non-finite" in messages["nonfinite norm"] and messages["grads untouched"]
+
+
+# -- launched as a script, by Lightning's launcher and by torchrun ---------------------
+
+_LAUNCHED_FABRIC_SCRIPT = """
+import sys
+import lightning as L
+import lightning_yafsdp  # noqa: F401
+from tests import fabric_loops as fl
+
+fabric = L.Fabric(accelerator="cpu", devices=2, strategy="yafsdp")
+fabric.launch()
+with fabric.init_module(empty_init=True):
+    model = fl.build_llama()
+model = fabric.setup(model)
+optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
+losses = fl.train_steps(fabric, model, optimizer, range(2))
+fabric.save(sys.argv[1], {"model": model, "optimizer": optimizer, "step": 2})
+print(f"rank={fabric.global_rank} world={fabric.world_size} steps={len(losses)}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["lightning", "torchrun"])
+def test_a_fabric_script_trains_and_exits_0_on_every_rank(tmp_path, launcher):
+    from tests.test_strategy_launch import _clean_env, _free_port
+
+    script = tmp_path / "train.py"
+    script.write_text(_LAUNCHED_FABRIC_SCRIPT)
+    command = [sys.executable, str(script), str(tmp_path / "ckpt")]
+    if launcher == "torchrun":
+        port = str(_free_port())
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", port]  # fmt: skip
+    done = subprocess.run(
+        command, capture_output=True, text=True, env=_clean_env(), timeout=240, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank={rank} world=2 steps=2" in done.stdout + done.stderr
+    assert (tmp_path / "ckpt" / "meta.pt").is_file()
