@@ -94,6 +94,26 @@ class DtypePolicy:
             yield
 
 
+class PolicyBacked:
+    """A precision plugin's ``precision`` / ``master_dtype`` / ``param_dtype``, read from
+    its ``policy`` (Trainer and Fabric plugins alike; listed first among the bases, so
+    Lightning's class attribute ``precision`` is shadowed)."""
+
+    policy: DtypePolicy
+
+    @property
+    def precision(self) -> str:
+        return self.policy.precision
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.policy.master_dtype
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.policy.param_dtype
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Generator[None, None, None]:
     previous = torch.get_default_dtype()

@@ -22,7 +22,12 @@ from lightning.pytorch.plugins.precision import (
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_yafsdp.dtype_policy import DtypePolicy, adopt_flag_plugin, cast_floating
+from lightning_yafsdp.dtype_policy import (
+    DtypePolicy,
+    PolicyBacked,
+    adopt_flag_plugin,
+    cast_floating,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -32,7 +37,7 @@ if TYPE_CHECKING:
 _Mode = Literal["32-true", "bf16-mixed", "bf16-true"]
 
 
-class YaFSDPPrecision(Precision):
+class YaFSDPPrecision(PolicyBacked, Precision):
     """Precision plugin for :class:`~lightning_yafsdp.strategy.YaFSDPStrategy`.
 
     You rarely build it yourself: ``Trainer(strategy="yafsdp", precision="bf16-mixed")``
@@ -49,8 +54,6 @@ class YaFSDPPrecision(Precision):
 
     def __init__(self, precision: _Mode | str | int = "32-true") -> None:
         self.policy = DtypePolicy.from_flag(precision)
-        self.precision = self.policy.precision
-        self.master_dtype, self.param_dtype = self.policy.master_dtype, self.policy.param_dtype
         self._engine: YaFSDPEngine | None = None
         self._device_type = "cpu"
 

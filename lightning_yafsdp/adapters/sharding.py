@@ -120,10 +120,9 @@ def rebind_optimizers(
     Sharding replaces every parameter by a sharded one under the same name, so each
     parameter an optimizer holds is swapped by name; hyperparameters and group dicts
     stay. The ``"params"`` lists are edited in place (LBFGS keeps a reference to its
-    list). An optimizer that already has state refuses: that state is whole-model sized
-    and belongs to the old parameters.
+    list). Call ``refuse_optimizers_with_state`` before sharding: state of the old
+    parameters cannot follow them.
     """
-    refuse_optimizers_with_state(optimizers)
     now = dict(module.named_parameters(remove_duplicate=False))
     current = {id(p) for p in now.values()}
     for optimizer in optimizers:

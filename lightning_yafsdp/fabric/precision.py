@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_yafsdp.dtype_policy import (
     DtypePolicy,
+    PolicyBacked,
     adopt_flag_plugin,
     cast_floating,
     default_dtype,
@@ -34,7 +35,7 @@ from lightning_yafsdp.dtype_policy import (
 _Mode = Literal["32-true", "bf16-mixed", "bf16-true"]
 
 
-class YaFSDPPrecision(Precision):
+class YaFSDPPrecision(PolicyBacked, Precision):
     """Precision plugin of :class:`lightning_yafsdp.fabric.YaFSDPStrategy`.
 
     Args:
@@ -47,8 +48,6 @@ class YaFSDPPrecision(Precision):
 
     def __init__(self, precision: _Mode | str | int = "32-true") -> None:
         self.policy = DtypePolicy.from_flag(precision)
-        self.precision = self.policy.precision
-        self.master_dtype, self.param_dtype = self.policy.master_dtype, self.policy.param_dtype
         self.device_type = "cpu"  # set by the strategy once it knows its device
 
     @override
