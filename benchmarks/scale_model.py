@@ -13,6 +13,11 @@ overlapped with compute) and the step time, for three schemes:
   gathered once per step and reduced once at the end, no preparatory kernels, and one
   division of the reduced shard at the end of backward.
 
+Hybrid sharding (command ``hsdp``, :func:`predict_hsdp`): scheme (c) sharded over groups
+of K consecutive ranks and replicated across the N / K groups: gathers and
+reduce_scatters inside the group, then a ring all_reduce of each reduced shard across the
+replicas; also the bytes each GPU sends over NVLink and the network, and its memory.
+
 Collective cost (NCCL's own tuning model, ``src/graph/tuning.cc``): a ring collective
 over ``p`` ranks of ``S`` bytes (the gathered / unreduced size) costs
 
@@ -29,6 +34,7 @@ Commands::
     python benchmarks/scale_model.py predict [--gpu h100] [--json out.json]
     python benchmarks/scale_model.py readme  [--gpu a100]   # vs the YaFSDP README
     python benchmarks/scale_model.py calibrate [--json out.json]   # gloo, 2 CPU ranks
+    python benchmarks/scale_model.py hsdp [--gpu h100] [--json out.json]  # hybrid sharding
 
 Method, tables and limitations: docs/scale-model.md.
 """
@@ -140,6 +146,44 @@ class Cluster:
         for proto in self.protocols:
             lat = proto.base + (p - nodes) * proto.alpha_intra + (nodes - 1) * proto.alpha_inter
             best = min(best, lat + ring_time(nbytes, p, 0.0, 1.0 / (busbw * proto.bw_factor)))
+        return best
+
+    def ring_busbw(self, p: int, nodes: int) -> float:
+        """Bus bandwidth of a ring over ``p`` ranks spanning ``nodes`` nodes ([Note: links]).
+
+        One node: NVLink. More: every GPU of every node runs such a ring at the same
+        time (all shard or replicate groups act in lockstep), each GPU's share of the
+        node's NICs is one rail, ``inter_busbw / gpus_per_node``, and ``nodes / p`` of
+        the bytes it sends cross it, so the ring runs at ``inter_busbw * p / (nodes *
+        gpus_per_node)``: the node's NIC total for a ring through whole nodes (what
+        :meth:`collective_time` assumes), one rail for a ring with one GPU per node.
+        """
+        if nodes <= 1:
+            return self.intra_busbw
+        if p == nodes * self.gpus_per_node:
+            return self.inter_busbw
+        return self.inter_busbw * p / (nodes * self.gpus_per_node)
+
+    def ring_collective_time(
+        self, nbytes: float, p: int, nodes: int, *, all_reduce: bool = False
+    ) -> float:
+        """Ring collective of ``nbytes`` over ``p`` ranks on ``nodes`` nodes.
+
+        all_gather / reduce_scatter as :meth:`collective_time` (which it equals for a
+        ring of consecutive ranks through whole nodes); ``all_reduce`` = reduce_scatter
+        + all_gather: twice the ring steps of each kind (``2 (p - nodes)`` NVLink,
+        ``2 (nodes - 1)`` network; one base latency) and twice the bytes,
+        ``2 (p - 1) / p * nbytes``.
+        """
+        if p <= 1:
+            return 0.0
+        twice = 2 if all_reduce else 1
+        busbw = self.ring_busbw(p, nodes)
+        best = math.inf
+        for proto in self.protocols:
+            steps = (p - nodes) * proto.alpha_intra + (nodes - 1) * proto.alpha_inter
+            beta = 1.0 / (busbw * proto.bw_factor)
+            best = min(best, proto.base + twice * (steps + ring_time(nbytes, p, 0.0, beta)))
         return best
 
 
@@ -288,8 +332,11 @@ def _simulate(
     head_fwd: float,
     head_bwd: float,
     end_compute: float,
+    ar: float = 0.0,
+    ar_on_comm: bool = False,
+    end_ar: float = 0.0,
 ) -> tuple[float, float]:
-    """Two-stream schedule of one step; returns (step time, comm busy time).
+    """Two-stream schedule of one step; returns (step time, comm-stream busy time).
 
     Compute and communication are two in-order streams. Forward: block i waits for its
     all_gather; the gather of block i+1 is issued when block i starts (two weight
@@ -301,6 +348,17 @@ def _simulate(
     (they share SMs and HBM with it: the "gaps in compute" of the article).
     ``start_ag`` (root remainder, norm group) is gathered first; ``end_rs`` runs after
     the last block's reduce_scatter.
+
+    Hybrid sharding, as the engine schedules it (``core/streams.py``, condition 3):
+    ``ar`` is a block's replicate all_reduce of its reduced shard, started when its
+    reduce_scatter ends, on a stream of its own (``ar_on_comm`` False: the shard ring
+    is NVLink only and the all_reduce has the NICs to itself) or, when both need the
+    NICs (``ar_on_comm``), queued on the comm stream right behind the reduce_scatter
+    (the shared NIC time is serialised). The reduced shard lives in the grad buffer:
+    before block j's reduce_scatter, compute waits until the all_reduce of block j+2
+    (the buffer's previous user) is done and its shard added to the master grad.
+    ``end_ar`` (root remainder, norm group) runs after ``end_rs``. The step ends when
+    every stream is done. With ``ar = end_ar = 0`` the schedule is unchanged.
     """
     comm = start_ag
     busy = start_ag + 2 * n_layers * ag + n_layers * (rs + fir) + end_rs
@@ -315,21 +373,79 @@ def _simulate(
     ready = comm = max(comm, t) + ag  # backward re-gather of the last block
     t += head_bwd
     rs_end: dict[int, float] = {}
+    ar_end: dict[int, float] = {}
+    ar_done = 0.0  # the all_reduce stream
     for j in reversed(range(n_layers)):
         start = max(t, ready, rs_end.get(j + 2, 0.0))
         if j > 0:
             ready = comm = max(comm, start) + ag
         t = start + bwd[j]
+        if ar:  # the grad buffer's previous user: its all_reduce must be done
+            t = max(t, ar_end.get(j + 2, 0.0))
         rs_end[j] = comm = max(comm, t) + fir + rs
         t += fir
-    step = max(t, comm) + end_rs + end_compute
+        if ar and ar_on_comm:
+            ar_end[j] = ar_done = comm = comm + ar
+        elif ar:
+            ar_end[j] = ar_done = max(ar_done, rs_end[j]) + ar
+    step = max(t, comm, ar_done) + end_rs + end_ar + end_compute
     return step, busy
 
 
-def predict_step(shapes: Shapes, p: int, work: Workload, cluster: Cluster, scheme: str):
-    """Predict one step of ``scheme`` on ``p`` GPUs. Returns a :class:`StepPrediction`."""
+def predict_step(
+    shapes: Shapes,
+    p: int,
+    work: Workload,
+    cluster: Cluster,
+    scheme: str,
+    shard_size: int | None = None,
+):
+    """Predict one step of ``scheme`` on ``p`` GPUs. Returns a :class:`StepPrediction`.
+
+    ``shard_size`` (yafsdp only): hybrid sharding over groups of that many consecutive
+    ranks (:func:`predict_hsdp`); ``None`` or ``p``: plain sharding over all ``p``.
+    """
+    return _predict(shapes, p, work, cluster, scheme, shard_size)[0]
+
+
+def check_hsdp(p: int, shard_size: int, gpus_per_node: int) -> None:
+    """One-line error unless ``shard_size`` divides ``p`` and is node-aligned."""
+    if shard_size < 1 or p % shard_size:
+        raise ValueError(f"shard_size={shard_size} does not divide {p} GPUs")
+    if shard_size % gpus_per_node and gpus_per_node % shard_size:
+        raise ValueError(
+            f"shard_size={shard_size} must divide or be a multiple of {gpus_per_node} "
+            "GPUs per node (shard groups of consecutive ranks, aligned with nodes)"
+        )
+
+
+def replicate_ring(p: int, shard_size: int, gpus_per_node: int) -> tuple[int, int]:
+    """(ranks, nodes) of one replicate group: ranks ``s, s + K, s + 2K, ...``.
+
+    With ``K >= gpus_per_node`` every member is on its own node; with a smaller ``K``
+    ``gpus_per_node / K`` members share a node.
+    """
+    ranks = p // shard_size
+    per_node = max(1, gpus_per_node // shard_size)
+    return ranks, math.ceil(ranks / per_node)
+
+
+def _predict(
+    shapes: Shapes,
+    p: int,
+    work: Workload,
+    cluster: Cluster,
+    scheme: str,
+    shard_size: int | None,
+) -> tuple[StepPrediction, dict[str, float]]:
+    """:func:`predict_step` and the comm busy time by kind (all_gather, ...)."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; valid: {', '.join(SCHEMES)}")
+    k = p if shard_size is None else shard_size
+    if k != p:
+        if scheme != "yafsdp":
+            raise ValueError(f"shard_size is modelled for yafsdp only, not {scheme!r}")
+        check_hsdp(p, k, cluster.gpus_per_node)
     coll = cluster.collective_time
     pb, gb = work.param_bytes, work.grad_bytes
     fwd = shapes.layer_flops_per_token(work.seq_len) * work.tokens / 3 / cluster.flops
@@ -344,7 +460,7 @@ def predict_step(shapes: Shapes, p: int, work: Workload, cluster: Cluster, schem
     matrices = [n for _, n in shapes.layer_matrices]
     norms = [n for _, n in shapes.layer_norms]
     root = [n for _, n in shapes.root_tensors + shapes.root_norms]
-    end_compute = 0.0
+    end_compute = ar = end_ar = 0.0
     if scheme == "zero3":  # every tensor its own collective, norms included
         tensors = matrices + norms
         ag = sum(coll(n * pb, p) for n in tensors)
@@ -358,15 +474,26 @@ def predict_step(shapes: Shapes, p: int, work: Workload, cluster: Cluster, schem
         fir = fir_time(shapes.layer_numel)
         start_ag, end_rs = coll(sum(root) * pb, p), coll(sum(root) * gb, p)
     else:  # yafsdp: blocks without norms; root remainder and norm group once per step
+        # Sharded over k ranks (k = p: plain; k < p: hybrid, [Note: hybrid sharding]).
         block = sum(matrices)
-        ag, rs, fir = coll(block * pb, p), coll(block * gb, p), 0.0
+        ag, rs, fir = coll(block * pb, k), coll(block * gb, k), 0.0
         norm_group = sum(norms) * shapes.n_layers + sum(n for _, n in shapes.root_norms)
         root_rest = sum(n for _, n in shapes.root_tensors)
-        start_ag = coll(root_rest * pb, p) + coll(norm_group * pb, p)
-        end_rs = coll(root_rest * gb, p) + coll(norm_group * gb, p)
+        start_ag = coll(root_rest * pb, k) + coll(norm_group * pb, k)
+        end_rs = coll(root_rest * gb, k) + coll(norm_group * gb, k)
         # divide the reduced fp32 master-grad shard once (read + write)
         total = shapes.n_layers * shapes.layer_numel + sum(root)
-        end_compute = 2 * 4 * total / p / cluster.hbm_bw
+        end_compute = 2 * 4 * total / k / cluster.hbm_bw
+        if k != p:  # all_reduce of each reduced shard (1/k of it) across the replicas
+            ranks, nodes = replicate_ring(p, k, cluster.gpus_per_node)
+
+            def all_reduce(numel: int) -> float:
+                nbytes = numel * gb / k
+                return cluster.ring_collective_time(nbytes, ranks, nodes, all_reduce=True)
+
+            ar = all_reduce(block)
+            end_ar = all_reduce(root_rest) + all_reduce(norm_group)
+    ar_on_comm = k > cluster.gpus_per_node  # the shard ring crosses nodes: shared NICs
     step, busy = _simulate(
         n_layers=shapes.n_layers,
         fwd=fwd,
@@ -379,9 +506,18 @@ def predict_step(shapes: Shapes, p: int, work: Workload, cluster: Cluster, schem
         head_fwd=head_fwd,
         head_bwd=head_bwd,
         end_compute=end_compute,
+        ar=ar,
+        ar_on_comm=ar_on_comm,
+        end_ar=end_ar,
     )
     compute = shapes.n_layers * fwd + sum(bwd) + head + end_compute
-    return StepPrediction(scheme, busy, compute, shapes.n_layers * fir, step)
+    by_kind = {
+        "all_gather": start_ag + 2 * shapes.n_layers * ag,
+        "reduce_scatter": shapes.n_layers * rs + end_rs,
+        "all_reduce": shapes.n_layers * ar + end_ar,
+    }
+    comm = busy if k == p else busy + by_kind["all_reduce"]
+    return StepPrediction(scheme, comm, compute, shapes.n_layers * fir, step), by_kind
 
 
 def predict_row(name: str, p: int, work: Workload, cluster: Cluster) -> dict:
@@ -406,6 +542,261 @@ def predict_row(name: str, p: int, work: Workload, cluster: Cluster) -> dict:
     row["speedup_yafsdp_vs_fsdp"] = preds["fsdp"].step / preds["yafsdp"].step - 1
     row["speedup_yafsdp_vs_zero3"] = preds["zero3"].step / preds["yafsdp"].step - 1
     return row
+
+
+# --------------------------------------------------------------------------- hybrid sharding
+
+# [Note: links]
+# Which link a ring's bytes take. Nodes have `gpus_per_node` GPUs on NVLink (NVSwitch)
+# and one NIC rail per GPU (DGX: 8 NICs); `inter_busbw` is the node's NIC total. NCCL
+# runs one channel per rail; per channel a ring over p ranks spanning `nodes` nodes has
+# p hops, `nodes` of them between nodes (none on one node), and the crossing hops
+# rotate over the GPUs, so each GPU sends `nodes / p` of its ring bytes through its own
+# rail NIC ("network") and the rest over NVLink. Every GPU runs such a ring at the same
+# time (the shard groups, or the replicate groups, act in lockstep), so a GPU's
+# network share is one rail, `inter_busbw / gpus_per_node`, and the ring's bandwidth is
+# the rail divided by `nodes / p`. Shard group of K consecutive ranks: K <= 8 is NVLink
+# only; K = 16, 32 crosses K / 8 nodes, 1 / 8 of its bytes on the network, node NIC total
+# bandwidth (= plain sharding's ring). Replicate group (one rank per shard group):
+# K >= 8 puts every member on its own node, so all its bytes cross the rail at
+# `inter_busbw / 8`. When the shard ring crosses nodes, its collectives and the
+# all_reduce share the NICs: the schedule serialises them (:func:`_simulate`).
+
+HSDP_MODELS = ("llama2-70b", "llama3-8b")
+HSDP_SHARD_SIZES = (8, 16, 32)
+GB = 1e9  # memory and traffic in decimal GB, as GPUs are sold ("80 GB")
+GPU_MEMORY_GB = 80.0
+HEADROOM_GB = 20.0  # left for activations, CUDA context, allocator slack
+MIN_GAIN = 0.01  # HSDP must beat plain sharding by this much to be recommended
+
+
+def link_split(sent: float, p: int, nodes: int) -> tuple[float, float]:
+    """(NVLink, network) bytes of the ``sent`` bytes one GPU sends in a ring ([Note: links]).
+
+    ``nodes / p`` of them go through the GPU's own NIC rail (none on one node), the
+    rest over NVLink.
+    """
+    if nodes <= 1:
+        return sent, 0.0
+    network = sent * nodes / p
+    return sent - network, network
+
+
+def _groups(shapes: Shapes) -> tuple[int, int, int]:
+    """(block, root remainder, norm group) elements, as scheme yafsdp flattens them."""
+    block = sum(n for _, n in shapes.layer_matrices)
+    root_rest = sum(n for _, n in shapes.root_tensors)
+    norms = sum(n for _, n in shapes.layer_norms) * shapes.n_layers
+    return block, root_rest, norms + sum(n for _, n in shapes.root_norms)
+
+
+def hsdp_traffic(
+    shapes: Shapes, p: int, k: int, work: Workload, gpus_per_node: int = 8
+) -> dict[str, tuple[float, float]]:
+    """Bytes one GPU sends per step, by kind: ``{kind: (NVLink, network)}``.
+
+    A ring over ``q`` ranks sends ``(q - 1) / q * S`` per rank for an all_gather or
+    reduce_scatter of ``S`` (full) bytes, ``2 (q - 1) / q * S`` for an all_reduce.
+    Shard group: ``k`` consecutive ranks; every block gathered twice (forward and the
+    backward re-gather), the root remainder and norm group once; everything reduced
+    once. Replicate group: ``p / k`` ranks all-reducing ``1 / k`` of every gradient.
+    """
+    block, root_rest, norm_group = _groups(shapes)
+    params = shapes.n_layers * block + root_rest + norm_group
+    gathered = (2 * shapes.n_layers * block + root_rest + norm_group) * work.param_bytes
+    shard_ring = (k, max(1, math.ceil(k / gpus_per_node)))
+    traffic = {
+        "all_gather": link_split((k - 1) / k * gathered, *shard_ring),
+        "reduce_scatter": link_split((k - 1) / k * params * work.grad_bytes, *shard_ring),
+        "all_reduce": (0.0, 0.0),
+    }
+    ranks, nodes = replicate_ring(p, k, gpus_per_node)
+    if ranks > 1:
+        shard = params * work.grad_bytes / k
+        traffic["all_reduce"] = link_split(2 * (ranks - 1) / ranks * shard, ranks, nodes)
+    return traffic
+
+
+def hsdp_memory(shapes: Shapes, k: int, work: Workload) -> dict[str, float]:
+    """Bytes per GPU of sharded state and buffers (not activations), shard group of ``k``.
+
+    As ``yafsdp estimate`` counts them ([Note: estimate formulas], padding ignored):
+    fp32 master shard 4 + fp32 grad shard 4 + AdamW 8 bytes per parameter, over ``k``;
+    two gathered-unit weight buffers (param dtype) and two grad buffers (reduce dtype,
+    unit + its shard) of the largest unit (a block, or the embedding/head unit); two
+    staging shards (param dtype) for the cast before each gather; the norm group kept
+    gathered with its grad buffer.
+    """
+    block, root_rest, norm_group = _groups(shapes)
+    params = shapes.n_layers * block + root_rest + norm_group
+    largest = max(block, *(n for _, n in shapes.root_tensors))
+    shard = math.ceil(largest / k)
+    pb, gb = work.param_bytes, work.grad_bytes
+    mem = {
+        "sharded_state": params * (4 + 4 + 8) / k,
+        "weight_buffers": 2 * largest * pb,
+        "grad_buffers": 2 * (largest + shard) * gb,
+        "gather_staging": 2 * shard * pb,
+        "resident_buffers": norm_group * pb + (norm_group + math.ceil(norm_group / k)) * gb,
+    }
+    mem["total"] = sum(mem.values())
+    return mem
+
+
+def memory_fit(nbytes: float, gpu_gb: float = GPU_MEMORY_GB, headroom_gb: float = HEADROOM_GB):
+    """``"yes"`` (leaves the headroom), ``"tight"`` (fits, less headroom) or ``"no"``."""
+    if nbytes > gpu_gb * GB:
+        return "no"
+    return "tight" if nbytes > (gpu_gb - headroom_gb) * GB else "yes"
+
+
+def predict_hsdp(
+    name: str,
+    p: int,
+    k: int,
+    work: Workload,
+    cluster: Cluster,
+    *,
+    gpu_gb: float = GPU_MEMORY_GB,
+    headroom_gb: float = HEADROOM_GB,
+) -> dict:
+    """yafsdp on ``p`` GPUs sharded over groups of ``k`` (``k = p``: plain): a flat dict."""
+    shapes = model_shapes(name, tuple(sorted(set(SEQ_LENS) | {work.seq_len})))
+    pred, kinds = _predict(shapes, p, work, cluster, "yafsdp", k)
+    traffic = hsdp_traffic(shapes, p, k, work, cluster.gpus_per_node)
+    mem = hsdp_memory(shapes, k, work)
+    return {
+        "model": name,
+        "gpu": cluster.name,
+        "gpus": p,
+        "shard_size": k,
+        "replicate_size": p // k,
+        "seq_len": work.seq_len,
+        "batch": work.batch,
+        "ckpt_layers": work.ckpt_layers,
+        "grad_bytes": work.grad_bytes,
+        "compute": pred.compute,
+        "comm": kinds,
+        "exposed_comm": pred.exposed_comm,
+        "step": pred.step,
+        "bytes": {kind: {"nvlink": a, "network": b} for kind, (a, b) in traffic.items()},
+        "bytes_nvlink": sum(a for a, _ in traffic.values()),
+        "bytes_network": sum(b for _, b in traffic.values()),
+        "memory": mem,
+        "fits": memory_fit(mem["total"], gpu_gb, headroom_gb),
+    }
+
+
+def hsdp_rows(
+    name: str,
+    gpus,
+    work: Workload,
+    cluster: Cluster,
+    shard_sizes=HSDP_SHARD_SIZES,
+    **fit,
+) -> list[dict]:
+    """Per GPU count: plain sharding (``k = p``) then every ``k < p`` of ``shard_sizes``.
+
+    Each row gets ``speedup_vs_pure`` = step(plain) / step(k) - 1.
+    """
+    rows = []
+    for p in gpus:
+        pure = predict_hsdp(name, p, p, work, cluster, **fit)
+        group = [pure] + [
+            predict_hsdp(name, p, k, work, cluster, **fit)
+            for k in sorted(set(shard_sizes))
+            if k < p and p % k == 0
+        ]
+        for row in group:
+            row["speedup_vs_pure"] = pure["step"] / row["step"] - 1
+        rows += group
+    return rows
+
+
+def recommend(rows: list[dict], p: int, min_gain: float = MIN_GAIN) -> dict:
+    """The recommended row at ``p`` GPUs among ``rows`` (one model and workload).
+
+    Rule: among the shard sizes whose memory leaves the headroom (``fits == "yes"``),
+    the fastest; an HSDP ``k`` only if it beats plain sharding by at least
+    ``min_gain`` (less is within the model's error), else plain sharding. If nothing
+    leaves the headroom, the one with the least memory.
+    """
+    at = [r for r in rows if r["gpus"] == p]
+    pure = next(r for r in at if r["shard_size"] == p)
+    ok = [r for r in at if r["fits"] == "yes"]
+    if not ok:
+        return min(at, key=lambda r: r["memory"]["total"])
+    best = min(ok, key=lambda r: r["step"])
+    if best is not pure and best["speedup_vs_pure"] < min_gain and pure in ok:
+        return pure
+    return best
+
+
+def crossover(rows: list[dict], min_gain: float = MIN_GAIN) -> dict | None:
+    """The smallest GPU count at which a fitting HSDP ``k`` beats plain sharding.
+
+    "Fitting" = leaves the headroom (``fits == "yes"``); "beats" = by at least
+    ``min_gain``. Returns that GPU count's best such row, or None if there is none.
+    """
+    for p in sorted({r["gpus"] for r in rows}):
+        wins = [
+            r
+            for r in rows
+            if r["gpus"] == p
+            and r["shard_size"] < p
+            and r["fits"] == "yes"
+            and r["speedup_vs_pure"] >= min_gain
+        ]
+        if wins:
+            return max(wins, key=lambda r: r["speedup_vs_pure"])
+    return None
+
+
+def hsdp_table(rows: list[dict]) -> str:
+    """One markdown table of :func:`hsdp_rows` (one model and workload); times in ms."""
+    head = (
+        "| GPUs | K | R | step | vs plain | exposed comm | comm AG / RS / AR "
+        "| NVLink GB/GPU | network GB/GPU | memory GB/GPU | fits 80 GB |\n"
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n"
+    )
+    lines = []
+    for r in rows:
+        pure = r["shard_size"] == r["gpus"]
+        comm = " / ".join(f"{r['comm'][k] * 1e3:.0f}" for k in ("all_gather", "reduce_scatter"))
+        comm += " / " + (f"{r['comm']['all_reduce'] * 1e3:.0f}" if not pure else "-")
+        gain = "" if pure else f"{100 * r['speedup_vs_pure']:+.1f}%"
+        lines.append(
+            f"| {r['gpus']} | {'plain' if pure else r['shard_size']} | {r['replicate_size']} "
+            f"| {r['step'] * 1e3:.0f} | {gain} "
+            f"| {r['exposed_comm'] * 1e3:.0f} | {comm} | {r['bytes_nvlink'] / GB:.0f} "
+            f"| {r['bytes_network'] / GB:.1f} | {r['memory']['total'] / GB:.1f} | {r['fits']} |"
+        )
+    return head + "\n".join(lines)
+
+
+def hsdp_summary(name: str, rows: list[dict], seq: int, min_gain: float = MIN_GAIN) -> str:
+    """Crossover and recommended K of one model at one sequence length, in words."""
+    cross = crossover(rows, min_gain)
+    if cross is None:
+        cross_line = (
+            f"crossover: none; at no GPU count here does a K that leaves the headroom "
+            f"beat plain sharding by >= {100 * min_gain:g}%"
+        )
+    else:
+        cross_line = (
+            f"crossover: {cross['gpus']} GPUs, K={cross['shard_size']} is "
+            f"{100 * cross['speedup_vs_pure']:+.1f}% vs plain sharding"
+        )
+    recs = []
+    for p in sorted({r["gpus"] for r in rows}):
+        r = recommend(rows, p, min_gain)
+        if r["shard_size"] == p:
+            k = f"plain (K={p})"
+        else:
+            k = f"K={r['shard_size']} ({100 * r['speedup_vs_pure']:+.1f}%)"
+        note = "" if r["fits"] == "yes" else f", memory {r['fits']}"
+        recs.append(f"{p}: {k}{note}")
+    return f"{name}, seq {seq}: {cross_line}\nrecommended: " + ", ".join(recs)
 
 
 # --------------------------------------------------------------------------- tables
@@ -653,6 +1044,22 @@ def main(argv: list[str] | None = None) -> int:
     sub.choices["predict"].add_argument("--models", nargs="+", default=list(MODELS))
     sub.choices["predict"].add_argument("--gpus", nargs="+", type=int, default=list(GPU_COUNTS))
     sub.choices["predict"].add_argument("--seqs", nargs="+", type=int, default=list(SEQ_LENS))
+    hs = sub.add_parser("hsdp")
+    hs.add_argument("--gpu", choices=sorted(CLUSTERS), default="h100")
+    hs.add_argument("--mfu", type=float, help="model FLOPs utilisation (0-1)")
+    hs.add_argument("--intra-busbw", type=float, help="NVLink busbw, GB/s")
+    hs.add_argument("--inter-busbw", type=float, help="per-node network busbw, GB/s")
+    hs.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
+    hs.add_argument("--grad-bytes", type=int, default=4, choices=(2, 4), help="reduce dtype")
+    hs.add_argument("--ckpt-layers", type=int, default=0, help="checkpointed blocks")
+    hs.add_argument("--models", nargs="+", default=list(HSDP_MODELS))
+    hs.add_argument("--gpus", nargs="+", type=int, default=list(GPU_COUNTS))
+    hs.add_argument("--seqs", nargs="+", type=int, default=list(SEQ_LENS))
+    hs.add_argument("--shard-sizes", nargs="+", type=int, default=list(HSDP_SHARD_SIZES))
+    hs.add_argument("--gpu-memory-gb", type=float, default=GPU_MEMORY_GB)
+    hs.add_argument("--headroom-gb", type=float, default=HEADROOM_GB)
+    hs.add_argument("--min-gain", type=float, default=MIN_GAIN, help="e.g. 0.01 = 1%%")
+    hs.add_argument("--json", type=Path, help="also write the rows as JSON")
     cal = sub.add_parser("calibrate")
     cal.add_argument("--reps", type=int, default=25)
     cal.add_argument("--json", type=Path)
@@ -670,6 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     cluster = _cluster_from_args(args)
+    if args.cmd == "hsdp":
+        return _hsdp_main(args, cluster)
     base = Workload(seq_len=SEQ_LENS[0], batch=args.batch, grad_bytes=args.grad_bytes)
     base = dataclasses.replace(base, fir_passes=args.fir_passes)
     print(
@@ -696,6 +1105,46 @@ def main(argv: list[str] | None = None) -> int:
         rows += model_rows
         print(f"\n### {name} ({cluster.name})\n")
         print(markdown_table(model_rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def _hsdp_main(args, cluster: Cluster) -> int:
+    fit = {"gpu_gb": args.gpu_memory_gb, "headroom_gb": args.headroom_gb}
+    print(
+        f"{cluster.name}: {cluster.flops / 1e12:.0f} TFLOP/s achieved (MFU {cluster.mfu}), "
+        f"busbw NVLink {cluster.intra_busbw / 1e9:.0f} / network "
+        f"{cluster.inter_busbw / 1e9:.0f} GB/s per node "
+        f"({cluster.inter_busbw / cluster.gpus_per_node / 1e9:.0f} per rail), "
+        f"{cluster.gpus_per_node} GPUs/node; yafsdp, batch {args.batch}/GPU, bf16 gathers, "
+        f"reduce in {'fp32' if args.grad_bytes == 4 else 'bf16'}, "
+        f"{args.ckpt_layers} checkpointed blocks\n"
+        "K = shard group (plain = all GPUs), R = replicas; times in ms per step; "
+        "vs plain = step(plain) / step(K) - 1; bytes each GPU sends per step; memory = "
+        f"sharded state + buffers (no activations); fits: yes = leaves {args.headroom_gb:g} "
+        f"of {args.gpu_memory_gb:g} GB, tight = fits with less, no = does not fit"
+    )
+    rows, summaries = [], []
+    for name in args.models:
+        for seq in args.seqs:
+            work = Workload(
+                seq_len=seq,
+                batch=args.batch,
+                grad_bytes=args.grad_bytes,
+                ckpt_layers=args.ckpt_layers,
+            )
+            model_rows = hsdp_rows(name, args.gpus, work, cluster, args.shard_sizes, **fit)
+            rows += model_rows
+            print(f"\n### {name}, seq {seq} ({cluster.name})\n")
+            print(hsdp_table(model_rows))
+            summaries.append(hsdp_summary(name, model_rows, seq, args.min_gain))
+    print(
+        f"\n### Crossover and recommended K\n\nrule: the fastest K whose memory leaves "
+        f"{args.headroom_gb:g} GB of {args.gpu_memory_gb:g} GB free; an HSDP K only if "
+        f">= {100 * args.min_gain:g}% faster than plain sharding\n"
+    )
+    print("\n\n".join(summaries))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -310,6 +310,10 @@ class StrategyConfig:
             (every recomputed unit costs time).
         activation_memory_gb: The activation budget per rank for ``"auto"`` (GiB).
         sync_module_states: Broadcast rank 0's weights before sharding.
+        shard_size: Hybrid sharding: shard over groups of this many consecutive ranks,
+            replicate across the groups. ``null`` (default): one node's ranks when
+            ``trainer.num_nodes > 1``, else every rank. ``yafsdp estimate`` shows the
+            memory per rank it gives.
     """
 
     name: str = "yafsdp"
@@ -318,9 +322,13 @@ class StrategyConfig:
     activation_checkpointing: str = "none"
     activation_memory_gb: float | None = None
     sync_module_states: bool = False
+    shard_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))
+        size = self.shard_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"strategy.shard_size={size!r}: a positive integer, or null")
         _check_choice("strategy", "zero_stage", self.zero_stage, (2, 3))
         _check_choice("strategy", "reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
         ac = self.activation_checkpointing

@@ -28,6 +28,11 @@ Communication per micro-batch (bytes of the gathered/unreduced tensor, as
   reduce_scatter  = every group, once per backward
   all_reduce      = one byte per parameter, once per backward (which got a grad anywhere)
   + once per optimizer step: resident groups' all_gather.
+Hybrid sharding ([Note: hybrid sharding], shard groups of K ranks): every layout above
+is the layout of a K-rank world (memory per rank as with K ranks), the all_gathers and
+reduce_scatters run in the shard group, and
+  replicate_all_reduce = every group's reduced shard (shard numel x R), once per backward,
+                    across the replicate group.
 """
 
 from __future__ import annotations
@@ -37,11 +42,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_yafsdp.config import RunConfig
+from lightning_yafsdp.config import ConfigError, RunConfig
+from lightning_yafsdp.core.mesh import default_shard_size
 from lightning_yafsdp.core.sharding import NORM_GROUP, ROOT_GROUP, buffer_sizes, plan_layouts
 from lightning_yafsdp.dtype_policy import DtypePolicy
 
 GiB = 1024**3
+
 
 @dataclass(frozen=True)
 class GroupSize:
@@ -66,6 +73,7 @@ class Estimate:
     """
 
     world_size: int
+    shard_size: int  # ranks a unit is split over (the world size: flat sharding)
     precision: str
     zero_stage: int
     param_bytes: int
@@ -91,6 +99,7 @@ class Estimate:
     all_gather_per_step: int = 0
     reduce_scatter_per_micro_batch: int = 0
     all_reduce_per_micro_batch: int = 0
+    replicate_all_reduce_per_micro_batch: int = 0
     micro_batches: int = 1
     notes: list[str] = field(default_factory=list)
 
@@ -139,7 +148,15 @@ class Estimate:
         }
         if self.all_reduce_per_micro_batch:
             comm["all_reduce"] = self.micro_batches * self.all_reduce_per_micro_batch
+        if self.replicate_all_reduce_per_micro_batch:
+            comm["replicate_all_reduce"] = (
+                self.micro_batches * self.replicate_all_reduce_per_micro_batch
+            )
         return comm
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.shard_size < self.world_size
 
 
 def group_sizes(
@@ -187,22 +204,31 @@ def estimate(
     Args:
         config: The resolved recipe.
         world_size: Ranks sharing the model; default ``trainer.devices x num_nodes``
-            (``devices="auto"``: the visible GPUs, else 1).
+            (``devices="auto"``: the visible GPUs, else 1). The shard group size is
+            ``strategy.shard_size`` or the strategy's default (one node's ranks on
+            several nodes).
         model: The model to measure (default: built from the recipe on the meta device).
     """
     from lightning_yafsdp.training.models import build_model
 
     world_size = world_size or _world_size(config)
+    try:
+        shard_size = default_shard_size(
+            config.strategy.shard_size, world_size=world_size, num_nodes=config.trainer.num_nodes
+        )
+    except ValueError as error:
+        raise ConfigError(f"strategy.shard_size: {error}") from None
     if model is None:
         with torch.device("meta"):
             model = build_model(config)
     policy = DtypePolicy.from_flag(config.trainer.precision)
     master_dtype, param_dtype = policy.master_dtype, policy.param_dtype
     reduce_dtype = getattr(torch, config.strategy.reduce_dtype)
-    units, residents = group_sizes(model, world_size)
+    units, residents = group_sizes(model, shard_size)
     p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))
     est = Estimate(
         world_size=world_size,
+        shard_size=shard_size,
         precision=config.trainer.precision,
         zero_stage=config.strategy.zero_stage,
         param_bytes=p,
@@ -264,6 +290,10 @@ def _traffic_bytes(est: Estimate, zero_stage: int) -> None:
     est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r
     if est.world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
         est.all_reduce_per_micro_batch = sum(g.num_params for g in (*units, *residents))
+    if est.is_hybrid:  # each reduced shard, across the replicas
+        est.replicate_all_reduce_per_micro_batch = (
+            sum(g.shard_numel for g in (*units, *residents)) * r
+        )
 
 
 def checkpointed_units(est: Estimate, config: RunConfig) -> int:

@@ -60,6 +60,7 @@ from lightning_yafsdp.adapters.distributed import (
     init_process_group,
     register_once,
 )
+from lightning_yafsdp.adapters.mesh import build_mesh
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.sharding import place_module, shard_module
 from lightning_yafsdp.checkpoint import load_lightning_checkpoint, save_lightning_checkpoint
@@ -72,6 +73,7 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     read_checkpoint_extras,
 )
 from lightning_yafsdp.core import YaFSDPEngine
+from lightning_yafsdp.core.mesh import ShardMesh
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
@@ -85,8 +87,10 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
     from lightning.pytorch.accelerators import Accelerator
+    from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_yafsdp.core.sharding import CheckpointSpec
+
 
 class YaFSDPStrategy(ParallelStrategy):
     """Fully sharded data parallel training with YaFSDP's flat, pre-allocated buffers.
@@ -136,6 +140,16 @@ class YaFSDPStrategy(ParallelStrategy):
             ``fit(ckpt_path=...)`` whatever this is set to. Saves are atomic. The
             strategy writes and reads checkpoints itself: ``checkpoint_io`` plugins and
             ``storage_options`` are not used.
+        shard_size: Hybrid sharding (HSDP): parameters, grads and optimizer state are
+            sharded over groups of this many consecutive ranks and replicated across
+            the groups; gathers and reduce-scatters stay inside a group and each
+            reduced grad shard is all-reduced across the groups once per backward.
+            ``None`` (default): one node's ranks when ``num_nodes > 1``, else every
+            rank (flat). Must divide ``devices x num_nodes``; the world size is flat
+            sharding. Memory per rank grows as the group shrinks: ``yafsdp estimate``.
+        device_mesh: Instead of ``shard_size``: ``(replicas, shard_size)`` as
+            FSDPStrategy takes it, or a 2-D ``DeviceMesh`` with
+            ``mesh_dim_names=("replicate", "shard")`` (or a 1-D one: flat).
 
     Raises:
         TypeError: for an argument this strategy does not take (with the replacement
@@ -158,6 +172,8 @@ class YaFSDPStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        shard_size: int | None = None,
+        device_mesh: DeviceMesh | tuple[int, int] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -176,6 +192,7 @@ class YaFSDPStrategy(ParallelStrategy):
         )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
+        self._mesh: ShardMesh | None = None  # built in setup_environment
         self._engine: YaFSDPEngine | None = None
 
     @classmethod
@@ -190,6 +207,11 @@ class YaFSDPStrategy(ParallelStrategy):
     def options(self) -> ShardingOptions:
         """The sharding options this strategy was built with (read-only)."""
         return self._options
+
+    @property
+    def mesh(self) -> ShardMesh | None:
+        """The shard and replicate groups ([Note: hybrid sharding]); None before setup."""
+        return self._mesh
 
     @property
     def engine(self) -> YaFSDPEngine:
@@ -291,6 +313,7 @@ class YaFSDPStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._options.timeout,
         )
+        self._mesh = build_mesh(self._options, world_size=self.world_size, num_nodes=self.num_nodes)
 
     @contextmanager
     @override
@@ -326,7 +349,11 @@ class YaFSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             check_sync_batchnorm_device(self.lightning_module, self.root_device)
         self._engine = shard_module(
-            self.lightning_module, self._options, self.precision_plugin, device=self.root_device
+            self.lightning_module,
+            self._options,
+            self.precision_plugin,
+            device=self.root_device,
+            mesh=self._mesh,
         )
         self.model_to_device()
         self.precision_plugin.connect_engine(self._engine)

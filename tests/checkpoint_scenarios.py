@@ -30,9 +30,9 @@ def build_llama(seed: int = 0, **overrides) -> Llama:
     return Llama(LlamaConfig(**{**CONFIG, **overrides}))
 
 
-def build_sharded(seed: int = 0, *, single_group: bool = False, **overrides):
+def build_sharded(seed: int = 0, *, single_group: bool = False, shard_size=None, **overrides):
     model = build_llama(seed, **overrides)
-    engine = shard_model(model)
+    engine = shard_model(model, shard_size=shard_size)
     params = model.parameters() if single_group else engine.param_groups(weight_decay=0.1)
     optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
     return model, engine, optimizer

@@ -34,11 +34,16 @@ def train_step(model, optimizer, seed: int = 0) -> None:
     optimizer.zero_grad()
 
 
-def record_schedule(activation_checkpointing=None, zero_stage: int = 3) -> dict:
+def record_schedule(
+    activation_checkpointing=None, zero_stage: int = 3, shard_size: int | None = None
+) -> dict:
     """One recorded training step after a warm-up step."""
     model = tiny_llama()
     engine = shard_model(
-        model, zero_stage=zero_stage, activation_checkpointing=activation_checkpointing
+        model,
+        zero_stage=zero_stage,
+        activation_checkpointing=activation_checkpointing,
+        shard_size=shard_size,
     )
     optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
     train_step(model, optimizer)

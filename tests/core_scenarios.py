@@ -37,6 +37,7 @@ class Scenario:
     param_dtype: torch.dtype = torch.float32
     frozen_prefix: str | None = None  # requires_grad=False for params whose name starts so
     eval_between_steps: bool = False
+    shard_size: int | None = None  # hybrid sharding: groups of this many ranks, replicated
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -60,6 +61,18 @@ SCENARIOS: dict[str, Scenario] = {
     # SGD: linear in the grads, so the bf16 error stays at bf16 precision
     # (Adam's sign-like first steps turn bf16 noise on tiny grads into +-lr).
     "bf16_compute": Scenario(param_dtype=torch.bfloat16, optimizer="sgd"),
+    # Hybrid sharding: shard groups of 2 ranks, replicated across the others.
+    "hsdp_accum_clip": Scenario(shard_size=2, accumulation=2, clip_norm=0.05),
+    "hsdp_zero2_checkpoint_unused": Scenario(
+        shard_size=2, model="llama_unused", zero_stage=2, checkpoint_units=(1,)
+    ),
+    "hsdp_tied_frozen": Scenario(
+        shard_size=2, model="llama_tied", frozen_prefix="layers.0.attention.wq"
+    ),
+    "hsdp_hf_llama_accum_clip_ckpt": Scenario(
+        model="hf_llama", shard_size=2, accumulation=2, clip_norm=0.05, checkpoint_units=(1,)
+    ),
+    "hsdp_bf16_compute": Scenario(shard_size=2, param_dtype=torch.bfloat16, optimizer="sgd"),
 }
 
 
@@ -209,6 +222,7 @@ def run_sharded(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         if scenario.checkpoint_units
         else None,
         param_dtype=scenario.param_dtype,
+        shard_size=scenario.shard_size,
     )
     optimizer = make_optimizer(scenario, engine.sharded_parameters())
     losses = train(

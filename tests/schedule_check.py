@@ -11,19 +11,25 @@ from lightning_yafsdp.core import ScheduleEvent
 
 
 def four_condition_violations(
-    log: list[ScheduleEvent], slots: dict[str, tuple[int, int]]
+    log: list[ScheduleEvent], slots: dict[str, tuple[int, int]], *, cuda: bool = False
 ) -> list[str]:
     """Return a message per violation (empty: the schedule is correct).
 
     Args:
         log: recorded events.
         slots: unit name -> (weight buffer index, grad buffer index).
+        cuda: the log of a CUDA run, where a replicate all_reduce is ordered after its
+            reduce_scatter by an event on its stream rather than by a host wait.
     """
     violations: list[str] = []
     last_gather: dict[int, str] = {}  # weight buffer -> unit of the last gather issued into it
     gather_waited: dict[int, bool] = {}  # weight buffer -> was that gather waited
     computing: dict[int, str] = {}  # weight buffer -> unit computing with it now
     unwaited_reduce: dict[int, str] = {}  # grad buffer -> unit whose reduce is not waited yet
+    # Hybrid sharding: grad buffer -> unit whose replicate all_reduce is not waited yet,
+    # and the units whose reduce_scatter was waited (the all_reduce reads its result).
+    unwaited_all_reduce: dict[int, str] = {}
+    scattered: set[str] = set()
     in_backward: set[str] = set()
     backward_done: set[str] = set()
     for i, event in enumerate(log):
@@ -64,10 +70,24 @@ def four_condition_violations(
         elif event.op == "reduce_scatter_issue":
             if unit in in_backward or unit not in backward_done:
                 violations.append(f"condition 4: {where} before its backward finished")
+            pending = unwaited_all_reduce.get(grad_slot)
+            if pending is not None:
+                violations.append(
+                    f"condition 3: {where} before the all_reduce of '{pending}' finished"
+                )
             unwaited_reduce[grad_slot] = unit
+            scattered.discard(unit)
         elif event.op == "reduce_scatter_wait":
             if unwaited_reduce.get(grad_slot) == unit:
                 del unwaited_reduce[grad_slot]
+            scattered.add(unit)
+        elif event.op == "all_reduce_issue":
+            if not cuda and unit not in scattered:
+                violations.append(f"condition 3: {where} before its reduce_scatter finished")
+            unwaited_all_reduce[grad_slot] = unit
+        elif event.op == "all_reduce_wait":
+            if unwaited_all_reduce.get(grad_slot) == unit:
+                del unwaited_all_reduce[grad_slot]
     return violations
 
 

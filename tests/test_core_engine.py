@@ -43,6 +43,32 @@ def test_recorded_schedule_meets_the_four_conditions(options) -> None:
     assert four_condition_violations(recorded["log"], recorded["slots"]) == []
 
 
+@pytest.mark.parametrize("zero_stage", [3, 2])
+def test_hybrid_schedule_meets_the_four_conditions_with_the_replicate_all_reduce(
+    zero_stage,
+) -> None:
+    recorded = probe("record_schedule", world_size=4, shard_size=2, zero_stage=zero_stage)
+    log = recorded["log"]
+    assert four_condition_violations(log, recorded["slots"]) == []
+    reduced = [e.unit for e in log if e.op == "reduce_scatter_issue"]
+    assert [e.unit for e in log if e.op == "all_reduce_issue"] == reduced  # one per reduce
+
+
+def test_a_replicate_all_reduce_runs_during_a_later_units_backward() -> None:
+    """Unit i's all_reduce is issued before unit i-2's backward and waited after it."""
+    recorded = probe("record_schedule", world_size=4, shard_size=2)
+    log, names = recorded["log"], recorded["unit_names"]
+
+    def at(op: str, unit: str) -> int:
+        return max(i for i, e in enumerate(log) if e.op == op and e.unit == unit)
+
+    for later, earlier in zip(names[2:], names, strict=False):
+        if not any(e.op == "backward_start" and e.unit == earlier for e in log):
+            continue  # a weightless embedding: no backward_start of its own
+        issued, waited = at("all_reduce_issue", later), at("all_reduce_wait", later)
+        assert issued < at("backward_start", earlier) < at("backward_end", earlier) < waited
+
+
 def test_next_units_gather_is_in_flight_while_the_current_unit_computes() -> None:
     recorded = probe("record_schedule")
     log, names = recorded["log"], recorded["unit_names"]
@@ -69,7 +95,8 @@ def _events(*specs: str) -> list[ScheduleEvent]:
     events = []
     for spec in specs:
         op, unit = spec.split(":")
-        slot = SLOTS[unit][1] if op.startswith("reduce_scatter") else SLOTS[unit][0]
+        grad_op = op.startswith(("reduce_scatter", "all_reduce"))
+        slot = SLOTS[unit][1] if grad_op else SLOTS[unit][0]
         events.append(ScheduleEvent(op, unit, slot))
     return events
 
@@ -99,6 +126,34 @@ def _events(*specs: str) -> list[ScheduleEvent]:
             "condition 4",
             _events(
                 "gather_issue:a", "gather_wait:a", "backward_start:a", "reduce_scatter_issue:a"
+            ),
+        ),
+        (
+            "condition 3",  # hybrid: a reduce_scatter into a shard still being all-reduced
+            _events(
+                "gather_issue:a",
+                "gather_wait:a",
+                "backward_start:a",
+                "backward_end:a",
+                "reduce_scatter_issue:a",
+                "reduce_scatter_wait:a",
+                "all_reduce_issue:a",
+                "gather_issue:c",
+                "gather_wait:c",
+                "backward_start:c",
+                "backward_end:c",
+                "reduce_scatter_issue:c",
+            ),
+        ),
+        (
+            "condition 3",  # hybrid: an all_reduce of a shard not reduce-scattered yet
+            _events(
+                "gather_issue:a",
+                "gather_wait:a",
+                "backward_start:a",
+                "backward_end:a",
+                "reduce_scatter_issue:a",
+                "all_reduce_issue:a",
             ),
         ),
     ],

@@ -45,11 +45,21 @@ FP32_AT_4 = [
     "frozen_in_unit",
     "hf_llama_accum_clip_ckpt",
 ]
+# Hybrid sharding (shard groups of 2 ranks): 2 x 2 on 4 ranks, 3 x 2 on 6.
+HYBRID_AT_4 = [
+    "hsdp_accum_clip",
+    "hsdp_zero2_checkpoint_unused",
+    "hsdp_tied_frozen",
+    "hsdp_hf_llama_accum_clip_ckpt",
+    "hsdp_bf16_compute",
+]
+HYBRID_AT_6 = ["hsdp_accum_clip", "hsdp_hf_llama_accum_clip_ckpt"]
 WORLD_SIZES = {
     1: FP32_EVERYWHERE,
     2: [*FP32_EVERYWHERE, *FP32_AT_2, "bf16_compute"],
     3: [*FP32_EVERYWHERE, "accumulation_2", "frozen_in_unit"],
-    4: [*FP32_EVERYWHERE, *FP32_AT_4],
+    4: [*FP32_EVERYWHERE, *FP32_AT_4, *HYBRID_AT_4],
+    6: HYBRID_AT_6,
 }
 CASES = [(ws, name) for ws, names in WORLD_SIZES.items() for name in names]
 

@@ -32,6 +32,7 @@ def _engine_facts(overrides: tuple[str, ...]) -> dict:
         reduce_dtype=getattr(torch, config.strategy.reduce_dtype),
         zero_stage=config.strategy.zero_stage,
         param_init_fn=model_init_fn(model),
+        shard_size=config.strategy.shard_size,
     )
     tokens = torch.randint(0, 256, (2, 17))
     engine.comm_stats.reset()
@@ -53,6 +54,11 @@ _CASES = {
         ("trainer.precision=32-true",),
         ("trainer.precision=bf16-mixed", "strategy.reduce_dtype=bfloat16"),
         ("trainer.precision=32-true", "strategy.zero_stage=2"),
+    ],
+    # Hybrid sharding: 2 replicas x 2 sharded ranks.
+    4: [
+        ("trainer.precision=32-true", "strategy.shard_size=2"),
+        ("trainer.precision=bf16-mixed", "strategy.reduce_dtype=bfloat16", "strategy.shard_size=2"),
     ],
 }
 
@@ -79,6 +85,30 @@ def test_memory_estimate_equals_the_engine_memory_report(runs: dict) -> None:
 def test_traffic_estimate_equals_the_engine_comm_stats(runs: dict) -> None:
     for case, facts in runs.items():
         assert facts["estimated_traffic"] == facts["traffic"], case
+
+
+def test_hybrid_sharding_sends_in_each_group_what_the_formula_says(runs: dict) -> None:
+    """2 x 2: memory and shard-group traffic of a 2-rank world, plus one all_reduce of
+    every reduced shard across the replicas (the reduce dtype's bytes)."""
+    for flat_case, hybrid_case, reduce_bytes in (
+        (("trainer.precision=32-true",), ("trainer.precision=32-true", "strategy.shard_size=2"), 4),
+        (
+            ("trainer.precision=bf16-mixed", "strategy.reduce_dtype=bfloat16"),
+            (
+                "trainer.precision=bf16-mixed",
+                "strategy.reduce_dtype=bfloat16",
+                "strategy.shard_size=2",
+            ),
+            2,
+        ),
+    ):
+        flat, hybrid = runs[(2, flat_case)], runs[(4, hybrid_case)]
+        assert hybrid["engine"] == flat["engine"]
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            assert hybrid["traffic"][kind] == flat["traffic"][kind], kind
+        shard_bytes = hybrid["engine"]["master_shards"] // 4 * reduce_bytes  # fp32 masters
+        assert hybrid["traffic"]["replicate_all_reduce"] == shard_bytes
+        assert "replicate_all_reduce" not in flat["traffic"]
 
 
 def test_bf16_mixed_casts_on_gather_instead_of_keeping_a_twin(runs: dict) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
 from lightning_yafsdp.core.materialize import Materializer
+from lightning_yafsdp.core.mesh import ShardMesh
 from lightning_yafsdp.model_checks import check_single_device, check_still_sharded
 
 
@@ -34,12 +35,14 @@ def shard_module(
     precision: DtypeSource,
     *,
     device: torch.device,
+    mesh: ShardMesh | None = None,
 ) -> YaFSDPEngine:
     """Shard ``module`` in place (once: a module already sharded keeps its engine).
 
     A meta-built module is materialized, initialized and sharded one unit at a time on
     ``device``; a module built with real tensors is moved to ``device`` whole first (its
     meta buffers, e.g. rotary tables of a model loaded onto a meta build, are rebuilt).
+    ``mesh``: the strategy's shard and replicate groups (None: every rank, flat).
     """
     existing = module.__dict__.get("_yafsdp_engine")
     if existing is not None:
@@ -54,6 +57,7 @@ def shard_module(
         module.to(device)
     return shard_model(
         module,
+        mesh=mesh,
         units=options.units,
         norm_classes=options.norm_classes,
         param_dtype=precision.param_dtype,
@@ -152,4 +156,3 @@ def _sharded_twin(
     name = names_before.get(id(param))
     # Not a parameter of this module: left for check_optimizers_hold_model_params to name.
     return now.get(name, param) if name is not None else param
-

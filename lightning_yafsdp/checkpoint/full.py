@@ -27,7 +27,6 @@ import torch
 
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
-from lightning_yafsdp.checkpoint.gather import gather_full
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
 from lightning_yafsdp.checkpoint.optimizer_state import (
     load_optimizer_state,
@@ -36,7 +35,11 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, describe_non_checkpoint, format_info
-from lightning_yafsdp.checkpoint.state import load_full_model_state_dict, module_state
+from lightning_yafsdp.checkpoint.state import (
+    gather_shards,
+    load_full_model_state_dict,
+    module_state,
+)
 from lightning_yafsdp.checkpoint.torch_layout import (
     is_index_keyed,
     named_from_torch_layout,
@@ -100,7 +103,7 @@ def save_full(
     if fabric_keys is not None:
         checkpoint[FABRIC_KEYS] = dict(fabric_keys)
     sharded_optimizers = [has_sharded_leaves(state) for state in optimizer_states]
-    checkpoint = gather_full(checkpoint, group=engine.group)
+    checkpoint = gather_shards(engine, checkpoint)
     if engine.rank == 0:
         checkpoint = map_leaves(checkpoint, lambda _, v: _on_cpu(v))
         for key, sharded in zip(optimizer_keys, sharded_optimizers, strict=True):

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, name_list
-from lightning_yafsdp.checkpoint.gather import gather_full
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
 from lightning_yafsdp.checkpoint.ranges import FlatRange
+from lightning_yafsdp.checkpoint.state import gather_shards
 from lightning_yafsdp.checkpoint.torch_layout import to_torch_layout
 from lightning_yafsdp.checkpoint.trees import as_flat_range, map_leaves
 from lightning_yafsdp.core import YaFSDPEngine
@@ -78,15 +78,15 @@ def full_optimizer_state_dict(
     Collective. With ``rank0_only`` ranks other than 0 return ``{}``.
     """
     named = sharded_optimizer_state_dict(engine, optimizer, prefix=prefix)
-    return full_from_sharded(named, group=engine.group, rank=engine.rank, rank0_only=rank0_only)
+    return full_from_sharded(named, engine, rank0_only=rank0_only)
 
 
 def full_from_sharded(
-    named: Mapping[str, Any], *, group, rank: int, rank0_only: bool = True
+    named: Mapping[str, Any], engine: YaFSDPEngine, *, rank0_only: bool = True
 ) -> dict[str, Any]:
     """Gather a name-keyed sharded optimizer state into torch's layout (collective)."""
-    full = gather_full(named, group=group, rank0_only=rank0_only)
-    if rank0_only and rank != 0:
+    full = gather_shards(engine, named, rank0_only=rank0_only)
+    if rank0_only and engine.rank != 0:
         return {}
     full = map_leaves(full, lambda _, v: v.detach().cpu() if isinstance(v, torch.Tensor) else v)
     return to_torch_layout(full)

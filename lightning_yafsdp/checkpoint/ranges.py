@@ -144,17 +144,19 @@ class RangeSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, plus ``FlatRange`` values (written as their boxes).
 
     Plain tensors are treated as replicated (DCP keeps one copy); other values
-    are pickled.
+    are pickled. ``write_ranges=False`` (the other replicas of a hybrid-sharded
+    model, which hold the same ranges as the first) writes no ``FlatRange``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, write_ranges: bool = True) -> None:
         super().__init__(flatten_state_dict=True, flatten_sharded_tensors=False)
+        self.write_ranges = write_ranges
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
         for fqn, obj in self.state_dict.items():
             if isinstance(obj, FlatRange):
-                items += obj.write_items(fqn)
+                items += obj.write_items(fqn) if self.write_ranges else []
             elif _is_leaf_tensor(obj):
                 offsets = torch.Size([0] * obj.dim())
                 items.append(

@@ -140,7 +140,9 @@ def save_sharded(
         dcp.save(
             state,
             storage_writer=FileSystemWriter(tmp, sync_files=True),
-            planner=RangeSavePlanner(),
+            # [Note: hybrid sharding] every replica holds the same shards: only the
+            # first writes them, so each element is written once.
+            planner=RangeSavePlanner(write_ranges=engine.mesh.replicate_rank == 0),
             process_group=engine.group,
         )
         meta_failure = None
@@ -169,6 +171,7 @@ def format_info(
         "format_version": FORMAT_VERSION,
         "state_dict_type": kind,
         "world_size": engine.world_size,
+        "shard_size": engine.shard_size,
         "num_optimizers": num_optimizers,
         "parameter_count": build_index(engine, prefix=prefix).parameter_count,
         "sharded_keys": list(sharded_keys),

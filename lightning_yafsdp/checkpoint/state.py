@@ -33,6 +33,7 @@ __all__ = [
     "load_full_model_state_dict",
     "module_state",
     "sharded_model_state_dict",
+    "gather_shards",
     "world_info",
 ]
 
@@ -44,6 +45,19 @@ def module_state(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, Any]:
     tensors (buffers, frozen parameters); tied parameters appear under every alias.
     """
     return {prefix + name: value for name, value in engine.root.state_dict().items()}
+
+
+def gather_shards(engine: YaFSDPEngine, tree: Any, *, rank0_only: bool = True, **kwargs) -> Any:
+    """``gather_full`` of ``tree`` over the shard group (collective).
+
+    [Note: hybrid sharding] Every replica holds the same shards, so the shard group
+    holding rank 0 (replica 0; its first rank is rank 0) gathers everything rank 0
+    needs. With ``rank0_only`` the other replicas skip the gather and get ``tree``
+    back unchanged.
+    """
+    if rank0_only and engine.mesh.replicate_rank != 0:
+        return tree
+    return gather_full(tree, group=engine.shard_group, rank0_only=rank0_only, **kwargs)
 
 
 def sharded_model_state_dict(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, Any]:
@@ -64,8 +78,8 @@ def full_model_state_dict(
     Collective: call on every rank. With ``rank0_only`` (default) ranks other
     than 0 return ``{}``; tied aliases share one tensor.
     """
-    full = gather_full(
-        module_state(engine, prefix=prefix), group=engine.group, rank0_only=rank0_only, cpu=cpu
+    full = gather_shards(
+        engine, module_state(engine, prefix=prefix), rank0_only=rank0_only, cpu=cpu
     )
     if rank0_only and engine.rank != 0:
         return {}

@@ -269,6 +269,7 @@ def _estimate(options: argparse.Namespace) -> int:
     if options.json:
         payload = {
             "world_size": est.world_size,
+            "shard_size": est.shard_size,
             "precision": est.precision,
             "zero_stage": est.zero_stage,
             "num_parameters": est.num_parameters,
@@ -283,9 +284,10 @@ def _estimate(options: argparse.Namespace) -> int:
         }
         print(json.dumps(payload, indent=2))
         return 0
+    hybrid = f" (shard groups of {est.shard_size})" if est.is_hybrid else ""
     title = (
-        f"{config.recipe}: {est.num_parameters:,} parameters, {est.world_size} rank(s), "
-        f"{est.precision}, ZeRO-{est.zero_stage}, {len(est.units)} units"
+        f"{config.recipe}: {est.num_parameters:,} parameters, {est.world_size} rank(s)"
+        f"{hybrid}, {est.precision}, ZeRO-{est.zero_stage}, {len(est.units)} units"
     )
     print_rich(estimate_table(est, title=title))
     for note in est.notes:

@@ -13,7 +13,9 @@ is the holder's state ([Note: unit state machine]): a weight buffer is in use
 while its holder computes, a grad buffer while its holder's backward holds it.
 A buffer is handed to a new holder only when the old holder is not computing
 (condition 2) and, for grads, after the old holder's reduce_scatter is complete
-(condition 3). The torch allocator never sees a per-layer allocation.
+(condition 3); its reduced shard is handed on (and, under hybrid sharding,
+all-reduced across replicas) before the next reduce_scatter writes it. The torch
+allocator never sees a per-layer allocation.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.streams import PendingCollective
+    from lightning_yafsdp.core.streams import PendingCollective, PendingReduce
 
 
 class WeightBuffer:
@@ -70,10 +72,12 @@ class GradBuffer:
         index: position in the pool.
         tensor: flat tensor in the reduce dtype (fp32 by default, so that the
             reduce_scatter sums in fp32 without a separate staging copy).
-        reduced: this rank's reduced shard, written by the reduce_scatter.
+        reduced: this rank's reduced shard, written by the reduce_scatter (and
+            all-reduced across replicas under hybrid sharding).
         holder: the unit whose grads it holds (or last held).
-        reduce: the reduce_scatter reading ``tensor``, until completed.
-        on_reduced: what to do with the reduced shard once the collective is done.
+        reduce: the reduction reading ``tensor`` and writing ``reduced``, until
+            completed.
+        on_reduced: what to do with the reduced shard once it is final.
     """
 
     def __init__(
@@ -83,7 +87,7 @@ class GradBuffer:
         self.tensor = torch.zeros(numel, dtype=dtype, device=device)
         self.reduced = torch.zeros(shard_numel, dtype=dtype, device=device)
         self.holder: Any = None
-        self.reduce: PendingCollective | None = None
+        self.reduce: PendingReduce | None = None
         self.on_reduced = None
         # Layout signature whose padding ranges are known to be zero here.
         self.zero_padding_of: tuple | None = None
@@ -97,8 +101,16 @@ class GradBuffer:
     def nbytes(self) -> int:
         return (self.tensor.numel() + self.reduced.numel()) * self.tensor.element_size()
 
+    def wait_scatter(self) -> None:
+        """Condition 3: ``tensor`` may be rewritten once the reduce_scatter has read it."""
+        if self.reduce is not None:
+            self.reduce.scatter_done()
+
     def complete_reduce(self) -> None:
-        """Wait for the in-flight reduce_scatter (condition 3) and hand its result on."""
+        """Wait for the whole reduction in flight and hand the reduced shard on.
+
+        Runs before the next reduce_scatter writes ``reduced`` and at the end of backward.
+        """
         if self.reduce is None:
             return
         self.reduce.wait()

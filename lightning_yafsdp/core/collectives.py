@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
+
+if TYPE_CHECKING:
+    from lightning_yafsdp.core.mesh import ShardMesh
 
 # torch 2.13 recommends the ``*_single`` names; 2.11 only has ``*_into_tensor``.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -95,25 +99,37 @@ def reduce_scatter_into(
     )
 
 
-def check_reduce_dtype(group: ProcessGroup, device: torch.device, dtype: torch.dtype) -> None:
-    """Raise a one-line error if ``group``'s backend cannot reduce_scatter ``dtype``.
+def replicate_all_reduce(
+    reduced: torch.Tensor, group: ProcessGroup, *, async_op: bool, stats: CommStats
+) -> dist.Work | None:
+    """Sum a reduced grad shard across the replicate group, in place ([Note: hybrid sharding])."""
+    stats.add("replicate_all_reduce", reduced.numel() * reduced.element_size())
+    return dist.all_reduce(reduced.data, op=ReduceOp.SUM, group=group, async_op=async_op)
 
-    One tiny collective, at sharding time, instead of a backend error in the first
-    backward. fp32 needs no check.
+
+def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise a one-line error if the backend cannot reduce grads in ``dtype``.
+
+    Tiny collectives, at sharding time, instead of a backend error in the first
+    backward: a reduce_scatter in the shard group and, under hybrid sharding, an
+    all_reduce in the replicate group. fp32 needs no check.
     """
     if dtype == torch.float32:
         return
+    group = mesh.shard_group
     world = dist.get_world_size(group)
     full = torch.ones(world, dtype=dtype, device=device)
     out = torch.empty(1, dtype=dtype, device=device)
     try:
         _reduce_scatter_single(out, full, op=ReduceOp.SUM, group=group)
+        if mesh.replicate_group is not None:
+            dist.all_reduce(out, op=ReduceOp.SUM, group=mesh.replicate_group)
     except (RuntimeError, ValueError) as error:
         backend = dist.get_backend(group)
         raise ValueError(
             f"reduce_dtype={dtype} is not supported by the '{backend}' backend's "
-            f"reduce_scatter ({type(error).__name__}: {str(error).splitlines()[0]}); "
-            "use reduce_dtype=torch.float32"
+            f"reduce_scatter/all_reduce ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}); use reduce_dtype=torch.float32"
         ) from error
 
 

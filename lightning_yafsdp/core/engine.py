@@ -16,18 +16,25 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed import ProcessGroup, ReduceOp
+from torch.distributed import ReduceOp
 
 from lightning_yafsdp.core.buffers import GatherStaging, GradBuffer, WeightBuffer
-from lightning_yafsdp.core.collectives import CommStats, all_gather_into, all_reduce_
+from lightning_yafsdp.core.collectives import (
+    CommStats,
+    all_gather_into,
+    all_reduce_,
+    reduce_scatter_into,
+    replicate_all_reduce,
+)
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.grads import ShardGrads
 from lightning_yafsdp.core.layer import ShardedUnit, UnitState
+from lightning_yafsdp.core.mesh import ShardMesh
 from lightning_yafsdp.core.optim_step import OptimizerStepSwap
 from lightning_yafsdp.core.order_guard import CollectiveOrderGuard
 from lightning_yafsdp.core.resident import ResidentGroup
 from lightning_yafsdp.core.sharded_param import ShardedTensor
-from lightning_yafsdp.core.streams import CommScheduler, ScheduleEvent
+from lightning_yafsdp.core.streams import CommScheduler, PendingReduce, ScheduleEvent
 
 
 class EnginePhase(enum.Enum):
@@ -63,9 +70,7 @@ class YaFSDPEngine:
         self,
         root: nn.Module,
         *,
-        group: ProcessGroup,
-        rank: int,
-        world_size: int,
+        mesh: ShardMesh,
         device: torch.device,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
@@ -73,14 +78,21 @@ class YaFSDPEngine:
         cast_forward_inputs: bool,
     ) -> None:
         self.root = root
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
+        # [Note: hybrid sharding] ``group`` / ``rank`` / ``world_size``: every rank of the
+        # model (which parameters were used, checkpoint commits); the units are split
+        # over the shard group and, with several shard groups, their reduced grads are
+        # all-reduced over the replicate group.
+        self.mesh = mesh
+        self.group, self.rank, self.world_size = mesh.world_group, mesh.rank, mesh.world_size
+        self.shard_group, self.shard_rank = mesh.shard_group, mesh.shard_rank
+        self.shard_size = mesh.shard_size
+        self.replicate_group = mesh.replicate_group
         self.device = device
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.cast_forward_inputs = cast_forward_inputs
-        self.divide_factor = float(world_size)
+        # Reduced grads are sums over every rank (shard and replicate groups).
+        self.divide_factor = float(self.world_size)
         self.scheduler = CommScheduler(device)
         # [Note: collective order guard] on by default where it is cheap (CPU).
         self.verify_collective_order(device.type != "cuda")
@@ -170,13 +182,7 @@ class YaFSDPEngine:
         every rank instead of hanging or exchanging shards of different units.
         """
         self.scheduler.order_guard = (
-            CollectiveOrderGuard(
-                self.group,
-                device=self.device,
-                rank=self.rank,
-                world_size=self.world_size,
-                describe=self._describe_group,
-            )
+            CollectiveOrderGuard(self.mesh, device=self.device, describe=self._describe_group)
             if enabled
             else None
         )
@@ -204,8 +210,10 @@ class YaFSDPEngine:
         """Clip the global grad norm of ``params`` (default: all); returns the total norm.
 
         Matches ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: one
-        all_reduce of this rank's partial norm over the sharded grads; grads of
-        replicated (unsharded) parameters count once. Collective. With
+        all_reduce of this rank's partial norm over the sharded grads, in the shard
+        group (every replica holds the same shards: counting them again would
+        multiply the norm by the replica count); grads of replicated (unsharded)
+        parameters count once. Collective. With
         ``error_if_nonfinite`` a nan/inf norm raises on every rank before any grad is
         touched (one host sync, as in torch).
         """
@@ -219,7 +227,7 @@ class YaFSDPEngine:
                 norm = norm.float()
                 total.copy_(torch.maximum(total, norm) if inf else total + norm**norm_type)
         op = ReduceOp.MAX if inf else ReduceOp.SUM
-        all_reduce_(local, self.group, op=op, stats=self.comm_stats)
+        all_reduce_(local, self.shard_group, op=op, stats=self.comm_stats)
         total = torch.maximum(local, extra) if inf else (local + extra) ** (1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(
@@ -260,6 +268,38 @@ class YaFSDPEngine:
             group.ensure_views()
         for unit in self.root_units:
             unit.expose_placeholders()  # [Note: ungathered weights]
+
+    def issue_reduction(
+        self, *, unit: str, slot: int | None, tag: tuple[int, int], full, reduced
+    ) -> PendingReduce:
+        """Reduce-scatter ``full`` into ``reduced`` in the shard group, after compute so far
+        (condition 4); under hybrid sharding then all-reduce ``reduced`` across replicas."""
+        stats = self.comm_stats
+
+        def scatter(async_op: bool):
+            return reduce_scatter_into(
+                reduced, full, self.shard_group, async_op=async_op, stats=stats
+            )
+
+        def replicate(async_op: bool):
+            return replicate_all_reduce(
+                reduced, self.replicate_group, async_op=async_op, stats=stats
+            )
+
+        return self.scheduler.issue_reduce(
+            unit=unit,
+            slot=slot,
+            tag=tag,
+            scatter=scatter,
+            replicate=replicate if self.replicate_group is not None else None,
+            after=self.scheduler.compute_marker(),
+        )
+
+    def advance_reductions(self) -> None:
+        """Start the replicate all_reduces whose reduce_scatter is done (CPU; no-op on CUDA)."""
+        for buffer in self.grad_buffers:
+            if buffer.reduce is not None:
+                buffer.reduce.advance()
 
     def prefetch_next(self, unit: ShardedUnit) -> None:
         """Start gathering the unit after ``unit`` (module order) while ``unit`` computes."""
@@ -478,10 +518,10 @@ class YaFSDPEngine:
 
     @torch.no_grad()
     def _write_back(self, group: FlatParamGroup, flat: torch.Tensor, frozen) -> None:
-        start, end = group.layout.shard_range(self.rank)
+        start, end = group.layout.shard_range(self.shard_rank)
         group.master_shard.copy_(flat[start:end])
         if frozen is not None:
-            start, end = group.frozen_layout.shard_range(self.rank)
+            start, end = group.frozen_layout.shard_range(self.shard_rank)
             group.frozen_shard.copy_(frozen[start:end])
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -508,7 +548,9 @@ class YaFSDPEngine:
         full = torch.empty(
             group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device
         )
-        all_gather_into(full, group.master_shard, self.group, async_op=False, stats=self.comm_stats)
+        all_gather_into(
+            full, group.master_shard, self.shard_group, async_op=False, stats=self.comm_stats
+        )
         return full
 
     def _gather_frozen(self, group: FlatParamGroup) -> torch.Tensor | None:
@@ -517,7 +559,9 @@ class YaFSDPEngine:
         full = torch.empty(
             group.frozen_layout.padded_numel, dtype=group.frozen_shard.dtype, device=self.device
         )
-        all_gather_into(full, group.frozen_shard, self.group, async_op=False, stats=self.comm_stats)
+        all_gather_into(
+            full, group.frozen_shard, self.shard_group, async_op=False, stats=self.comm_stats
+        )
         return full
 
     def memory_report(self) -> dict[str, int]:

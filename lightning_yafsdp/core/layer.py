@@ -15,8 +15,10 @@ backward  ``PreBackwardGate.backward`` -> ``pre_backward``: claim grad buffer
           ``Narrow.backward`` writes each param grad into the grad buffer.
           ``GateGradFlow.backward`` -> ``post_backward``: one call's grads are
           all in the buffer; after the last call (condition 4) issue the
-          reduce_scatter. Its result is added into the master-dtype grad when
-          the buffer is next claimed or at the end of backward.
+          reduce_scatter (hybrid sharding: then the replicate all_reduce of
+          the reduced shard). The result is added into the master-dtype grad
+          right before the next reduce_scatter into that grad buffer, or at the
+          end of backward.
 
 Which of these a hook may do is decided by the unit's ``UnitLifecycle``
 ([Note: unit state machine], ``unit_state.py``): every transition, the
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.autograd import GateGradFlow, PreBackwardGate
-from lightning_yafsdp.core.collectives import WorkList, all_gather_into, reduce_scatter_into
+from lightning_yafsdp.core.collectives import WorkList, all_gather_into
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.placeholder import UngatheredWeight
 from lightning_yafsdp.core.tensor_tree import map_tensors, tensors_in
@@ -149,7 +151,7 @@ class ShardedUnit(FlatParamGroup):
         def launch(async_op: bool):
             works = [
                 all_gather_into(
-                    out, shard, engine.group, async_op=async_op, stats=engine.comm_stats
+                    out, shard, engine.shard_group, async_op=async_op, stats=engine.comm_stats
                 )
                 for out, shard in pieces
             ]
@@ -301,7 +303,7 @@ class ShardedUnit(FlatParamGroup):
                     "(no unit calling another)."
                 )
             holder.flush()  # paused between two calls: reduce its partial sum now
-        grad_buffer.complete_reduce()  # condition 3
+        grad_buffer.wait_scatter()  # condition 3
         grad_buffer.holder = self
         self.begin_grad_writes(grad_buffer)
 
@@ -333,7 +335,9 @@ class ShardedUnit(FlatParamGroup):
     def _reduce(self) -> None:
         engine = self.engine
         self.finish_grad_writes()
+        engine.advance_reductions()  # hybrid sharding on CPU: start earlier all_reduces
         grad_buffer = self.grad_buffer
+        grad_buffer.complete_reduce()  # the previous user's reduced shard is read first
         full = grad_buffer.tensor[: self.layout.padded_numel]
         reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
@@ -342,15 +346,12 @@ class ShardedUnit(FlatParamGroup):
             start, end, reduced, engine.divide_factor
         )
         self.life.fire("reduce")
-        grad_buffer.reduce = engine.scheduler.issue(
-            "reduce_scatter",
+        grad_buffer.reduce = engine.issue_reduction(
             unit=self.name,
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
-            launch=lambda async_op: reduce_scatter_into(
-                reduced, full, engine.group, async_op=async_op, stats=engine.comm_stats
-            ),
-            after=engine.scheduler.compute_marker(),  # condition 4
+            full=full,
+            reduced=reduced,
         )
 
     # -- activation checkpointing ---------------------------------------------

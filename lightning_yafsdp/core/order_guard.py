@@ -25,13 +25,17 @@ turn it on to debug a hang.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed import ProcessGroup
+import torch.distributed as dist
 
 from lightning_yafsdp.core.collectives import CommStats, all_gather_into
 
-_KIND_CODES = {"gather": 1, "reduce_scatter": 2}
+if TYPE_CHECKING:
+    from lightning_yafsdp.core.mesh import ShardMesh
+
+_KIND_CODES = {"gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _TAG_NUMEL = 3
 
 
@@ -43,36 +47,31 @@ class CollectiveOrderGuard:
     """Checks that every rank issues the same collective as this one, at each collective.
 
     Args:
-        group: the engine's process group.
+        mesh: the engine's groups; each tag is exchanged in the group of its
+            collective (the shard group; the replicate group for the replicate
+            all_reduce of hybrid sharding).
         device: where the tags live (the engine's device: the backend serves it).
-        rank: this rank in ``group``.
-        world_size: ranks in ``group``.
         describe: group index -> a name for error messages.
     """
 
     def __init__(
-        self,
-        group: ProcessGroup,
-        *,
-        device: torch.device,
-        rank: int,
-        world_size: int,
-        describe: Callable[[int], str],
+        self, mesh: ShardMesh, *, device: torch.device, describe: Callable[[int], str]
     ) -> None:
-        self.group = group
+        self.mesh = mesh
         self.device = device
-        self.rank = rank
-        self.world_size = world_size
         self.describe = describe
         # Counted apart from the engine's traffic, which tests compare with the design.
         self.stats = CommStats()
 
     def start(self, kind: str, *, unit: str, tag: tuple[int, int]) -> TagExchange:
         """Issue the tag exchange of the collective about to be issued (async, tiny)."""
+        group = self.mesh.replicate_group if kind == "all_reduce" else self.mesh.shard_group
+        size = dist.get_world_size(group)
         mine = torch.tensor((_KIND_CODES[kind], *tag), dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world_size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
-        work = all_gather_into(every, mine, self.group, async_op=True, stats=self.stats)
-        return TagExchange(self, kind=kind, unit=unit, every=every, work=work)
+        every = torch.empty(size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
+        work = all_gather_into(every, mine, group, async_op=True, stats=self.stats)
+        rank = dist.get_rank(group)
+        return TagExchange(self, kind=kind, unit=unit, every=every, work=work, rank=rank)
 
     def explain(self, row: tuple[int, ...]) -> str:
         code, index, numel = row
@@ -83,11 +82,15 @@ class CollectiveOrderGuard:
 class TagExchange:
     """One collective's tag exchange; ``verify()`` runs before its collective is waited."""
 
-    def __init__(self, guard: CollectiveOrderGuard, *, kind: str, unit: str, every, work) -> None:
+    def __init__(
+        self, guard: CollectiveOrderGuard, *, kind: str, unit: str, every, work, rank: int
+    ) -> None:
         self._guard = guard
         self._kind, self._unit = kind, unit
         self._every = every
         self._work = work
+        self.rank = rank  # in the group the tags were exchanged in
+        self.world_size = every.numel() // _TAG_NUMEL
 
     def verify(self) -> None:
         """Wait for the tags (every rank sends them before its collective); raise if any differ.
@@ -98,12 +101,12 @@ class TagExchange:
         if self._work is not None:
             self._work.wait()
         guard = self._guard
-        rows = [tuple(row) for row in self._every.view(guard.world_size, _TAG_NUMEL).tolist()]
+        rows = [tuple(row) for row in self._every.view(self.world_size, _TAG_NUMEL).tolist()]
         if all(row == rows[0] for row in rows):
             return
         lines = [f"  rank {r}: {guard.explain(row)}" for r, row in enumerate(rows)]
         raise CollectiveOrderError(
-            f"ranks issued different collectives (this rank, {guard.rank}, issued the "
+            f"ranks issued different collectives (this rank, {self.rank} of its group, issued the "
             f"{self._kind} of '{self._unit}'):\n" + "\n".join(lines) + "\n"
             "Every rank must call the same sharded units in the same order in each step; "
             "they would otherwise exchange data of different units or hang. Per-rank "

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
-from lightning_yafsdp.core.collectives import all_gather_into, reduce_scatter_into
+from lightning_yafsdp.core.collectives import all_gather_into
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.grads import ShardGrads
 
@@ -80,7 +80,7 @@ class ResidentGroup(FlatParamGroup):
                 launch=lambda async_op: all_gather_into(
                     buffer.tensor,
                     source,
-                    engine.group,
+                    engine.shard_group,
                     async_op=async_op,
                     stats=engine.comm_stats,
                 ),
@@ -102,7 +102,7 @@ class ResidentGroup(FlatParamGroup):
         super().accumulate_param_grad(index, grad)
 
     def reduce_grads(self) -> None:
-        """End of backward: reduce-scatter this group's grads into its master grad.
+        """End of backward: reduce-scatter (and all-reduce across replicas) into its master grad.
 
         Runs on every rank whenever the group's differentiable views took part
         in the forward, even if no grad reached them here, so that all ranks
@@ -120,21 +120,13 @@ class ResidentGroup(FlatParamGroup):
             self.begin_grad_writes(self.grad_buffer)
         self.finish_grad_writes()
         reduced = self.grad_buffer.reduced
-        pending = engine.scheduler.issue(
-            "reduce_scatter",
+        engine.issue_reduction(
             unit=self.name,
             slot=None,
             tag=(self.guard_index, self.layout.padded_numel),
-            launch=lambda async_op: reduce_scatter_into(
-                reduced,
-                self.grad_buffer.tensor,
-                engine.group,
-                async_op=async_op,
-                stats=engine.comm_stats,
-            ),
-            after=engine.scheduler.compute_marker(),
-        )
-        pending.wait()
+            full=self.grad_buffer.tensor,
+            reduced=reduced,
+        ).wait()
         start, end = self.grad_range
         self.grads.add(start, end, reduced, engine.divide_factor)
         # The graph that used the views is consumed; the next grad-mode forward re-creates them.

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,7 @@ from lightning_yafsdp.core.group_spec import GroupSpec
 from lightning_yafsdp.core.layer import ShardedUnit
 from lightning_yafsdp.core.layout import FlatLayout
 from lightning_yafsdp.core.materialize import Materializer, draw_init_seed
+from lightning_yafsdp.core.mesh import ShardMesh, resolve_mesh
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.resident import ResidentGroup
 from lightning_yafsdp.core.root_units import split_root
@@ -41,6 +43,9 @@ def shard_model(
     module: nn.Module,
     *,
     process_group: ProcessGroup | None = None,
+    shard_size: int | None = None,
+    device_mesh: Any = None,
+    mesh: ShardMesh | None = None,
     units: UnitsSpec = None,
     norm_classes: NormSpec = None,
     param_dtype: torch.dtype | None = None,
@@ -67,6 +72,14 @@ def shard_model(
         module: a materialized model, identical on every rank (or pass
             ``sync_module_states=True`` to broadcast rank 0's weights).
         process_group: ranks to shard across (default: the world group).
+        shard_size: hybrid sharding ([Note: hybrid sharding], ``mesh.py``): shard
+            over groups of this many consecutive ranks of the world and replicate
+            across the groups (the world size: flat sharding). Collective: creates
+            the groups.
+        device_mesh: a torch ``DeviceMesh``: 1-D (flat) or 2-D with dims
+            ``("replicate", "shard")`` (hybrid).
+        mesh: a ``ShardMesh`` built before (reuse its groups across models).
+            At most one of ``process_group``, ``shard_size``, ``device_mesh``, ``mesh``.
         units: which submodules are sharded units (see ``policy.find_units``);
             default: the repeated blocks, auto-detected.
         norm_classes: which modules form the norm group (see
@@ -115,14 +128,19 @@ def shard_model(
     ):
         if not dtype.is_floating_point:
             raise ValueError(f"{label} must be a floating dtype, got {dtype}")
-    group = process_group or dist.group.WORLD
     device = _single_device(module, allow_meta=True)
+    mesh = resolve_mesh(
+        process_group=process_group, shard_size=shard_size, device_mesh=device_mesh, mesh=mesh
+    )
+    group = mesh.world_group  # seeds, sync_module_states: every rank of the model
     built_on_meta = device.type == "meta"
     if built_on_meta:
         device = _default_device(group)
     check_backend(str(dist.get_backend(group)), device)
-    check_reduce_dtype(group, device, reduce_dtype)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    check_reduce_dtype(mesh, device, reduce_dtype)
+    # Layouts split each group over the shard group: a shard group of K ranks is
+    # sharded exactly as a flat world of K ranks ([Note: hybrid sharding]).
+    rank, world_size = mesh.shard_rank, mesh.shard_size
 
     unit_modules = find_units(module, units)
     plan = _plan(module, unit_modules, norm_classes, world_size)
@@ -159,9 +177,7 @@ def shard_model(
 
     engine = YaFSDPEngine(
         module,
-        group=group,
-        rank=rank,
-        world_size=world_size,
+        mesh=mesh,
         device=device,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
@@ -564,8 +580,8 @@ def _group_kwargs(spec, layout, engine, which, offset) -> dict:
 def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
     hooked: set[int] = set()
     for group in engine.groups():
-        group.make_sharded_params(engine.rank, engine.group)
-        group.make_frozen_params(engine.rank, engine.group)
+        group.make_sharded_params(engine.shard_rank, engine.shard_group)
+        group.make_frozen_params(engine.shard_rank, engine.shard_group)
         group.register_sharded_params()
     for grads, groups in engine.grads_by_master():
         grads.params = [

@@ -11,10 +11,19 @@ communication stream, ordered only by events:
    release event);
 3. a unit's backward waits until the reduce_scatter of the previous user of
    its grad buffer is done (compute waits that collective's done-event);
+   under hybrid sharding ([Note: hybrid sharding], ``mesh.py``) the reduced
+   shard is then all-reduced across the replicate group, and the next
+   reduce_scatter into that buffer's shard waits for that all_reduce (the
+   all_reduce overlaps the whole backward of the unit in between);
 4. a reduce_scatter does not start until its unit's backward is done
    (issued ``after`` the unit's grads-ready event).
 
-Nothing but collectives is ever queued on the comm stream, so no small copy
+The replicate all_reduce has a stream of its own (waiting only for its
+reduce_scatter's done-event), so a slow inter-node all_reduce never delays the
+intra-node gathers queued behind it on the comm stream. On CPU it is issued
+once its reduce_scatter is done: at the next unit's reduce (``advance``).
+
+Nothing but collectives is ever queued on the comm streams, so no small copy
 or division can delay a collective (the "fir tree" of the YaFSDP article).
 The CPU enqueues ahead of the GPU, which gives prefetch for free.
 
@@ -57,7 +66,8 @@ class ScheduleEvent:
 
     Attributes:
         op: ``gather_issue``, ``gather_wait``, ``reduce_scatter_issue``,
-            ``reduce_scatter_wait``, ``forward_start``, ``forward_end``,
+            ``reduce_scatter_wait``, ``all_reduce_issue``, ``all_reduce_wait``
+            (hybrid sharding), ``forward_start``, ``forward_end``,
             ``backward_start`` or ``backward_end``.
         unit: the unit's name.
         slot: the buffer index the collective writes or reads (weight buffer
@@ -88,6 +98,11 @@ class PendingCollective:
         self._tag_exchange = tag_exchange
         self.waited = False
 
+    @property
+    def done_event(self) -> torch.cuda.Event | None:
+        """The comm-stream event marking completion (CUDA), until waited."""
+        return self._done_event
+
     def wait(self) -> None:
         if self.waited:
             return
@@ -103,6 +118,58 @@ class PendingCollective:
         self.waited = True
         kind = self._event.op.removesuffix("_issue")
         self._scheduler.note(f"{kind}_wait", self._event.unit, self._event.slot)
+
+
+class PendingReduce:
+    """A unit's gradient reduction in flight: the reduce_scatter and, under hybrid
+    sharding, the all_reduce of its reduced shard across the replicate group.
+
+    Two moments matter to the schedule (condition 3): ``scatter_done`` (the grad
+    buffer may be rewritten: the reduce_scatter has read it) and ``wait`` (the
+    reduced shard is final and may be added to the master grad).
+    """
+
+    def __init__(
+        self,
+        scheduler: CommScheduler,
+        scatter: PendingCollective,
+        replicate: Launch | None,
+        *,
+        unit: str,
+        slot: int | None,
+        tag: tuple[int, int],
+    ) -> None:
+        self._scheduler = scheduler
+        self._scatter = scatter
+        self._replicate_launch = replicate
+        self._replicate: PendingCollective | None = None
+        self._where = dict(unit=unit, slot=slot, tag=tag)
+        if replicate is not None and scheduler.uses_streams:
+            # Stream-ordered after the reduce_scatter: nothing waits on the host.
+            self._start_replicate(after=scatter.done_event)
+
+    def advance(self) -> None:
+        """Start the replicate all_reduce if it still waits for its reduce_scatter (CPU)."""
+        if self._replicate_launch is not None:
+            self.scatter_done()
+
+    def scatter_done(self) -> None:
+        """Order compute after the reduce_scatter (its input, the grad buffer, is free)."""
+        self._scatter.wait()
+        if self._replicate_launch is not None:
+            self._start_replicate(after=None)
+
+    def wait(self) -> None:
+        """Order compute after the whole reduction (the reduced shard is final)."""
+        self.scatter_done()
+        if self._replicate is not None:
+            self._replicate.wait()
+
+    def _start_replicate(self, *, after) -> None:
+        launch, self._replicate_launch = self._replicate_launch, None
+        self._replicate = self._scheduler.issue(
+            "all_reduce", launch=launch, after=after, **self._where
+        )
 
 
 class CommScheduler:
@@ -121,6 +188,7 @@ class CommScheduler:
         # The comm stream exists so collectives overlap compute; high priority
         # so that a ready collective is never queued behind compute kernels.
         self.comm_stream = torch.cuda.Stream(device, priority=-1) if self.uses_streams else None
+        self._replicate_stream = None  # created by the first replicate all_reduce
         self.log: list[ScheduleEvent] | None = None
 
     def note(self, op: str, unit: str, slot: int | None = None) -> None:
@@ -149,7 +217,8 @@ class CommScheduler:
         """Issue ``launch`` on the comm side, ordered after ``after``.
 
         Args:
-            kind: ``gather`` or ``reduce_scatter`` (for the log).
+            kind: ``gather``, ``reduce_scatter`` or ``all_reduce`` (the replicate
+                all_reduce of hybrid sharding, on its own stream).
             unit: unit name (for the log and profiler label).
             slot: buffer index (for the log).
             tag: ``(group index, elements)``: what every rank must be issuing
@@ -165,16 +234,40 @@ class CommScheduler:
             if not self.uses_streams:
                 exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
                 return PendingCollective(self, event, work=launch(True), tag_exchange=exchange)
-            with torch.cuda.device(self.device), torch.cuda.stream(self.comm_stream):
+            stream = self._stream_for(kind)
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 if after is not None:
-                    self.comm_stream.wait_event(after)
+                    stream.wait_event(after)
                 exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
                 # NCCL orders itself after the current (comm) stream and makes it
                 # wait for completion, so the done-event below marks completion.
                 launch(False)
                 done = torch.cuda.Event()
-                done.record(self.comm_stream)
+                done.record(stream)
             return PendingCollective(self, event, done_event=done, tag_exchange=exchange)
+
+    def issue_reduce(
+        self,
+        *,
+        unit: str,
+        slot: int | None,
+        tag: tuple[int, int],
+        scatter: Launch,
+        replicate: Launch | None,
+        after: torch.cuda.Event | None,
+    ) -> PendingReduce:
+        """Issue a reduce_scatter (after ``after``) and, if given, its replicate all_reduce."""
+        pending = self.issue(
+            "reduce_scatter", unit=unit, slot=slot, tag=tag, launch=scatter, after=after
+        )
+        return PendingReduce(self, pending, replicate, unit=unit, slot=slot, tag=tag)
+
+    def _stream_for(self, kind: str) -> torch.cuda.Stream:
+        if kind != "all_reduce":
+            return self.comm_stream
+        if self._replicate_stream is None:
+            self._replicate_stream = torch.cuda.Stream(self.device, priority=-1)
+        return self._replicate_stream
 
     def comm_waits_for_compute(self) -> None:
         """Order all later collectives after everything queued on compute so far.
@@ -183,4 +276,6 @@ class CommScheduler:
         (the gathers read them) and before blocking whole-model operations.
         """
         if self.uses_streams:
-            self.comm_stream.wait_stream(torch.cuda.current_stream(self.device))
+            for stream in (self.comm_stream, self._replicate_stream):
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream(self.device))

@@ -48,6 +48,7 @@ from lightning_yafsdp.adapters.distributed import (
     init_process_group,
     register_once,
 )
+from lightning_yafsdp.adapters.mesh import build_mesh
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.sharding import (
     parameter_names,
@@ -64,6 +65,7 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     save_fabric_checkpoint,
 )
 from lightning_yafsdp.core import YaFSDPEngine
+from lightning_yafsdp.core.mesh import ShardMesh
 from lightning_yafsdp.fabric.precision import YaFSDPPrecision, to_fabric_precision
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
@@ -74,6 +76,7 @@ from lightning_yafsdp.pretrained import lazy_from_pretrained
 if TYPE_CHECKING:
     from lightning.fabric.accelerators import Accelerator
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+    from torch.distributed.device_mesh import DeviceMesh
 
     from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
     from lightning_yafsdp.core.sharding import CheckpointSpec
@@ -91,8 +94,9 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
     Takes the arguments of :class:`lightning_yafsdp.strategy.YaFSDPStrategy` (units,
     norm_classes, zero_stage, reduce_dtype, activation_checkpointing, param_init_fn,
     sync_module_states, cast_forward_inputs, timeout, process_group_backend,
-    state_dict_type), documented there. ``state_dict_type`` decides how ``fabric.save``
-    writes; ``fabric.load`` reads either kind, and checkpoints of the Trainer strategy.
+    state_dict_type, shard_size, device_mesh), documented there. ``state_dict_type``
+    decides how ``fabric.save`` writes; ``fabric.load`` reads either kind, and
+    checkpoints of the Trainer strategy.
 
     Raises:
         TypeError: for an argument this strategy does not take (with the replacement
@@ -115,6 +119,8 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        shard_size: int | None = None,
+        device_mesh: DeviceMesh | tuple[int, int] | None = None,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -133,6 +139,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
+        self._mesh: ShardMesh | None = None  # built in setup_environment
         self._backward_sync_control = _AccumulatingBackward()
         self._sharded_modules: list[nn.Module] = []
 
@@ -177,6 +184,11 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         return self._options
 
     @property
+    def mesh(self) -> ShardMesh | None:
+        """The shard and replicate groups ([Note: hybrid sharding]); None before setup."""
+        return self._mesh
+
+    @property
     def state_dict_type(self) -> StateDictType:
         return self._options.state_dict_type
 
@@ -217,6 +229,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
             backend=self._process_group_backend,
             timeout=self._options.timeout,
         )
+        self._mesh = build_mesh(self._options, world_size=self.world_size, num_nodes=self.num_nodes)
         self.precision.device_type = self.root_device.type
 
     @override
@@ -245,7 +258,9 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         check_no_meta_metric_states(module)
-        engine = shard_module(module, self._options, self.precision, device=self.root_device)
+        engine = shard_module(
+            module, self._options, self.precision, device=self.root_device, mesh=self._mesh
+        )
         place_module(module, engine, self.root_device)
         if module not in self._sharded_modules:
             self._sharded_modules.append(module)

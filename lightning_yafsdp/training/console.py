@@ -74,6 +74,10 @@ def estimate_table(est: Estimate, *, title: str = "memory per rank") -> Table:
     comm = est.comm_per_step
     table.add_row("all_gather per optimizer step", human_bytes(comm["all_gather"]))
     table.add_row("reduce_scatter per optimizer step", human_bytes(comm["reduce_scatter"]))
+    if "replicate_all_reduce" in comm:
+        table.add_row(
+            "replicate all_reduce per optimizer step", human_bytes(comm["replicate_all_reduce"])
+        )
     return table
 
 
@@ -104,7 +108,14 @@ def startup_panel(
         f"(largest {human_count(largest.numel)} elements) + "
         f"{', '.join(g.name for g in est.residents)} resident",
     )
-    facts.add_row("world", f"{world_size} rank(s), strategy {strategy}, ZeRO-{est.zero_stage}")
+    hybrid = (
+        f" (hybrid: {world_size // est.shard_size} replicas x {est.shard_size} sharded ranks)"
+        if est.is_hybrid
+        else ""
+    )
+    facts.add_row(
+        "world", f"{world_size} rank(s){hybrid}, strategy {strategy}, ZeRO-{est.zero_stage}"
+    )
     facts.add_row("precision", precision)
     facts.add_row(
         "per rank",

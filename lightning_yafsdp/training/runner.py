@@ -79,6 +79,7 @@ def build_strategy(config: RunConfig, est: Estimate) -> Any:
         reduce_dtype=getattr(torch, config.strategy.reduce_dtype),
         activation_checkpointing=list(range(k)) if k else None,
         sync_module_states=config.strategy.sync_module_states,
+        shard_size=config.strategy.shard_size,
         # The engine would otherwise cast each block's floating inputs, the residual
         # stream included, to bf16, undoing fp32_residual at every block boundary.
         cast_forward_inputs=not config.practices.fp32_residual,

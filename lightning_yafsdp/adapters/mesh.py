@@ -1,0 +1,37 @@
+"""The shard mesh both strategies build once the process group exists."""
+
+from __future__ import annotations
+
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from lightning_yafsdp.adapters.options import ShardingOptions
+from lightning_yafsdp.core.mesh import ShardMesh, check_shard_size, default_shard_size
+
+
+def build_mesh(options: ShardingOptions, *, world_size: int, num_nodes: int) -> ShardMesh:
+    """The groups the model is sharded and replicated over ([Note: hybrid sharding]).
+
+    ``device_mesh`` (a DeviceMesh, or ``(replicas, shard_size)`` as FSDPStrategy takes
+    it) or ``shard_size``; neither: one node's ranks per shard group when the run has
+    several nodes, every rank otherwise. Collective: every rank creates the groups.
+    """
+    mesh = options.device_mesh
+    if mesh is not None and not isinstance(mesh, (tuple, list)):
+        built = ShardMesh.from_device_mesh(mesh)
+    else:
+        if mesh is not None:
+            replicas, shard_size = mesh
+            if replicas * shard_size != world_size:
+                raise ValueError(
+                    f"device_mesh=({replicas}, {shard_size}) has {replicas * shard_size} "
+                    f"ranks but the run has {world_size} (devices x num_nodes)"
+                )
+            check_shard_size(shard_size, world_size)
+        else:
+            shard_size = default_shard_size(
+                options.shard_size, world_size=world_size, num_nodes=num_nodes
+            )
+        built = ShardMesh.hybrid(shard_size)
+    if built.is_hybrid:
+        rank_zero_info(f"yafsdp: hybrid sharding, {built.describe()} (shard_size= to change)")
+    return built
