@@ -313,7 +313,10 @@ class YaFSDPStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._options.timeout,
         )
-        self._mesh = build_mesh(self._options, world_size=self.world_size, num_nodes=self.num_nodes)
+        if self._mesh is None:  # Lightning calls this for every fit/validate/test/predict
+            self._mesh = build_mesh(
+                self._options, world_size=self.world_size, num_nodes=self.num_nodes
+            )
 
     @contextmanager
     @override

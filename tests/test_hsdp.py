@@ -48,6 +48,9 @@ def _fit_facts(strategy, *, build: str = "eager", **trainer_options) -> dict:
     if isinstance(trainer.strategy, YaFSDPStrategy):
         mesh = trainer.strategy.mesh
         facts["mesh"] = (mesh.replicate_size, mesh.shard_size)
+        # Lightning sets the environment up again for every run: the groups are kept.
+        trainer.validate(model, token_loader(8), verbose=False)
+        facts["mesh_kept"] = trainer.strategy.mesh is mesh is trainer.strategy.engine.mesh
         full = trainer.strategy.engine.full_state_dict()
         facts["weights"] = {k: v.clone() for k, v in full.items()}
     else:
@@ -103,6 +106,7 @@ def _assert_same_training(run: dict, ours: str, reference: str) -> None:
 def test_hsdp_2x2_trains_like_ddp_with_accumulation_and_clipping(trainer_runs):
     for run in trainer_runs:
         assert run["hsdp"]["mesh"] == (2, 2)
+        assert run["hsdp"]["mesh_kept"]
         _assert_same_training(run, "hsdp", "ddp")
 
 

@@ -31,7 +31,7 @@ def build_mesh(options: ShardingOptions, *, world_size: int, num_nodes: int) -> 
             shard_size = default_shard_size(
                 options.shard_size, world_size=world_size, num_nodes=num_nodes
             )
-        built = ShardMesh.hybrid(shard_size)
+        built = ShardMesh.hybrid(shard_size, timeout=options.timeout)
     if built.is_hybrid:
         rank_zero_info(f"yafsdp: hybrid sharding, {built.describe()} (shard_size= to change)")
     return built

@@ -64,7 +64,8 @@ class ShardingOptions:
             raise ValueError(f"shard_size must be a positive integer, got {size!r}")
         mesh = self.device_mesh
         if isinstance(mesh, (tuple, list)) and not (
-            len(mesh) == 2 and all(isinstance(n, int) and n >= 1 for n in mesh)
+            len(mesh) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh)
         ):
             raise ValueError(
                 f"device_mesh={mesh!r}: give (replicas, shard_size), two positive integers, "

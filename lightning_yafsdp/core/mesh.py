@@ -26,6 +26,7 @@ flat world of K ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -91,11 +92,12 @@ class ShardMesh:
         return cls(world_group=group, shard_group=group, replicate_group=None)
 
     @classmethod
-    def hybrid(cls, shard_size: int) -> ShardMesh:
+    def hybrid(cls, shard_size: int, *, timeout: timedelta | None = None) -> ShardMesh:
         """Groups of ``shard_size`` consecutive ranks of the world, replicated across groups.
 
         Collective over the world: every rank creates every group, in the same order.
-        ``shard_size`` equal to the world size is a flat mesh.
+        ``shard_size`` equal to the world size is a flat mesh. ``timeout``: of the new
+        groups (torch gives new groups its default, not the world group's).
         """
         world = dist.get_world_size()
         check_shard_size(shard_size, world)
@@ -104,8 +106,8 @@ class ShardMesh:
         replicas = world // shard_size
         shard_groups = [list(range(r * shard_size, (r + 1) * shard_size)) for r in range(replicas)]
         replicate_groups = [list(range(s, world, shard_size)) for s in range(shard_size)]
-        shard_group, _ = dist.new_subgroups_by_enumeration(shard_groups)
-        replicate_group, _ = dist.new_subgroups_by_enumeration(replicate_groups)
+        shard_group, _ = dist.new_subgroups_by_enumeration(shard_groups, timeout=timeout)
+        replicate_group, _ = dist.new_subgroups_by_enumeration(replicate_groups, timeout=timeout)
         return cls(dist.group.WORLD, shard_group, replicate_group)
 
     @classmethod

@@ -70,8 +70,8 @@ class CollectiveOrderGuard:
         mine = torch.tensor((_KIND_CODES[kind], *tag), dtype=torch.int64, device=self.device)
         every = torch.empty(size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
         work = all_gather_into(every, mine, group, async_op=True, stats=self.stats)
-        rank = dist.get_rank(group)
-        return TagExchange(self, kind=kind, unit=unit, every=every, work=work, rank=rank)
+        ranks = [dist.get_global_rank(group, r) for r in range(size)]
+        return TagExchange(self, kind=kind, unit=unit, every=every, work=work, ranks=ranks)
 
     def explain(self, row: tuple[int, ...]) -> str:
         code, index, numel = row
@@ -83,14 +83,13 @@ class TagExchange:
     """One collective's tag exchange; ``verify()`` runs before its collective is waited."""
 
     def __init__(
-        self, guard: CollectiveOrderGuard, *, kind: str, unit: str, every, work, rank: int
+        self, guard: CollectiveOrderGuard, *, kind: str, unit: str, every, work, ranks: list[int]
     ) -> None:
         self._guard = guard
         self._kind, self._unit = kind, unit
         self._every = every
         self._work = work
-        self.rank = rank  # in the group the tags were exchanged in
-        self.world_size = every.numel() // _TAG_NUMEL
+        self.ranks = ranks  # global ranks of the group the tags were exchanged in
 
     def verify(self) -> None:
         """Wait for the tags (every rank sends them before its collective); raise if any differ.
@@ -101,12 +100,12 @@ class TagExchange:
         if self._work is not None:
             self._work.wait()
         guard = self._guard
-        rows = [tuple(row) for row in self._every.view(self.world_size, _TAG_NUMEL).tolist()]
+        rows = [tuple(row) for row in self._every.view(len(self.ranks), _TAG_NUMEL).tolist()]
         if all(row == rows[0] for row in rows):
             return
-        lines = [f"  rank {r}: {guard.explain(row)}" for r, row in enumerate(rows)]
+        lines = [f"  rank {r}: {guard.explain(row)}" for r, row in zip(self.ranks, rows)]
         raise CollectiveOrderError(
-            f"ranks issued different collectives (this rank, {self.rank} of its group, issued the "
+            f"ranks issued different collectives (this rank, {dist.get_rank()}, issued the "
             f"{self._kind} of '{self._unit}'):\n" + "\n".join(lines) + "\n"
             "Every rank must call the same sharded units in the same order in each step; "
             "they would otherwise exchange data of different units or hang. Per-rank "
