@@ -280,3 +280,34 @@ def test_fabric_hsdp_2x2_equals_ddp_losses_clipping_norms_and_weights():
             update = (expected - run["initial"][name]).norm()
             error = (ours["weights"][name] - expected).norm() / update
             assert error <= UPDATE_RTOL, f"{name} off by {error:.3g} of its update"
+
+
+# -- the default, and the estimate ---------------------------------------------------------
+
+
+def test_the_default_shards_inside_one_node_on_several_nodes_and_over_all_ranks_on_one():
+    from lightning_yafsdp.core.mesh import default_shard_size
+
+    assert default_shard_size(None, world_size=16, num_nodes=2) == 8
+    assert default_shard_size(None, world_size=8, num_nodes=1) == 8
+    assert default_shard_size(4, world_size=16, num_nodes=2) == 4
+    with pytest.raises(ValueError, match="does not divide the world size 16"):
+        default_shard_size(3, world_size=16, num_nodes=2)
+
+
+def test_the_estimate_of_a_multi_node_run_is_that_of_one_node_plus_the_replicate_traffic():
+    from lightning_yafsdp.config import ConfigError, load_config
+    from lightning_yafsdp.estimate import estimate
+
+    nodes = ["trainer.devices=2", "trainer.num_nodes=2"]
+    hybrid = estimate(load_config(None, nodes))
+    one_node = estimate(load_config(None, ["trainer.devices=2"]))
+    flat = estimate(load_config(None, [*nodes, "strategy.shard_size=4"]))
+    assert (hybrid.world_size, hybrid.shard_size, flat.shard_size) == (4, 2, 4)
+    assert hybrid.engine_report() == one_node.engine_report()
+    assert flat.master_shards < hybrid.master_shards
+    shards = sum(g.shard_numel for g in (*hybrid.units, *hybrid.residents))
+    assert hybrid.comm_per_step["replicate_all_reduce"] == shards * 4 * hybrid.micro_batches
+    assert "replicate_all_reduce" not in flat.comm_per_step
+    with pytest.raises(ConfigError, match=r"shard_size=3 does not divide the world size 4"):
+        estimate(load_config(None, [*nodes, "strategy.shard_size=3"]))
