@@ -217,6 +217,21 @@ def test_only_the_first_replica_writes_weights_and_optimizer_state(saved_at_4):
     assert sum(hsdp.values()) < 1.1 * sum(flat.values())
 
 
+def test_inspect_tells_the_mesh_a_checkpoint_was_written_under(saved_at_4):
+    from rich.console import Console
+
+    from lightning_yafsdp.checkpoint import inspect_checkpoint, render_inspection
+
+    root, _ = saved_at_4
+    for name in ("hsdp", "hsdp.pt"):
+        info = inspect_checkpoint(root / name)
+        assert (info["world_size"], info["shard_size"]) == (4, 2), name
+        console = Console(width=200, record=True)
+        console.print(render_inspection(info))
+        assert "4 rank(s): 2 replicas x 2 sharded ranks" in console.export_text()
+    assert inspect_checkpoint(root / "flat")["shard_size"] == 4
+
+
 @pytest.mark.parametrize("source", ["hsdp", "flat", "hsdp.pt"])
 @pytest.mark.parametrize("shard_size", [1, 2, 4])
 def test_a_checkpoint_loads_into_every_mesh_of_4_ranks_and_training_continues(

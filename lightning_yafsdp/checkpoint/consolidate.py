@@ -271,6 +271,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> d
         "step": _step_of(meta),
         "epoch": meta.get("epoch"),
         "world_size": info.get("world_size", len(writers) or None),
+        "shard_size": info.get("shard_size"),
         "parameter_count": info.get(
             "parameter_count",
             sum(md.size.numel() for md in model.values() if md.properties.dtype.is_floating_point),
@@ -281,6 +282,15 @@ def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> d
         "size_bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
         "verified": verified,
     }
+
+
+def _writers(info: Mapping[str, Any]) -> str:
+    world, shard = info.get("world_size"), info.get("shard_size")
+    if not world:
+        return "-"
+    if shard and shard < world:  # [Note: hybrid sharding]
+        return f"{world} rank(s): {world // shard} replicas x {shard} sharded ranks"
+    return f"{world} rank(s)"
 
 
 def render_inspection(info: Mapping[str, Any]):
@@ -294,7 +304,7 @@ def render_inspection(info: Mapping[str, Any]):
         ("format", info["kind"]),
         ("step", _or_dash(info.get("step"))),
         ("epoch", _or_dash(info.get("epoch"))),
-        ("written by", f"{info['world_size']} rank(s)" if info.get("world_size") else "-"),
+        ("written by", _writers(info)),
         ("parameters", f"{info['parameter_count']:,}"),
         ("tensors (weights)", f"{info['num_tensors']:,}"),
         ("optimizers", str(info["num_optimizers"])),
@@ -324,6 +334,7 @@ def _inspect_file(path: Path) -> dict[str, Any]:
         "step": _step_of(rest),
         "epoch": rest.get("epoch"),
         "world_size": info.get("world_size"),
+        "shard_size": info.get("shard_size"),
         "parameter_count": info.get(
             "parameter_count",
             sum(
