@@ -60,7 +60,7 @@ from lightning_yafsdp.adapters.distributed import (
     init_process_group,
     register_once,
 )
-from lightning_yafsdp.adapters.mesh import build_mesh
+from lightning_yafsdp.adapters.mesh import ShardingState
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.sharding import place_module, shard_module
 from lightning_yafsdp.checkpoint import load_lightning_checkpoint, save_lightning_checkpoint
@@ -73,7 +73,6 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     read_checkpoint_extras,
 )
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.mesh import ShardMesh
 from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
@@ -92,7 +91,7 @@ if TYPE_CHECKING:
     from lightning_yafsdp.core.sharding import CheckpointSpec
 
 
-class YaFSDPStrategy(ParallelStrategy):
+class YaFSDPStrategy(ShardingState, ParallelStrategy):
     """Fully sharded data parallel training with YaFSDP's flat, pre-allocated buffers.
 
     Args:
@@ -192,7 +191,6 @@ class YaFSDPStrategy(ParallelStrategy):
         )
         self.num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._mesh: ShardMesh | None = None  # built in setup_environment
         self._engine: YaFSDPEngine | None = None
 
     @classmethod
@@ -202,16 +200,6 @@ class YaFSDPStrategy(ParallelStrategy):
         register_once(cls, strategy_registry)
 
     # -- what the Trainer asks before anything runs ---------------------------------
-
-    @property
-    def options(self) -> ShardingOptions:
-        """The sharding options this strategy was built with (read-only)."""
-        return self._options
-
-    @property
-    def mesh(self) -> ShardMesh | None:
-        """The shard and replicate groups ([Note: hybrid sharding]); None before setup."""
-        return self._mesh
 
     @property
     def engine(self) -> YaFSDPEngine:
@@ -313,10 +301,7 @@ class YaFSDPStrategy(ParallelStrategy):
             backend=self._process_group_backend,
             timeout=self._options.timeout,
         )
-        if self._mesh is None:  # Lightning calls this for every fit/validate/test/predict
-            self._mesh = build_mesh(
-                self._options, world_size=self.world_size, num_nodes=self.num_nodes
-            )
+        self._ensure_mesh()
 
     @contextmanager
     @override

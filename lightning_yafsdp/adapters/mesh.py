@@ -1,4 +1,4 @@
-"""The shard mesh both strategies build once the process group exists."""
+"""The shard mesh both strategies build once the process group exists, and what they keep."""
 
 from __future__ import annotations
 
@@ -35,3 +35,31 @@ def build_mesh(options: ShardingOptions, *, world_size: int, num_nodes: int) -> 
     if built.is_hybrid:
         rank_zero_info(f"yafsdp: hybrid sharding, {built.describe()} (shard_size= to change)")
     return built
+
+
+class ShardingState:
+    """Mixed into both strategies: their options and their mesh, built once.
+
+    Each strategy sets ``_options`` in ``__init__`` and calls ``_ensure_mesh()`` once its
+    process group exists; Lightning sets the Trainer's environment up again for every
+    fit/validate/test/predict, and the groups must not be created again.
+    """
+
+    _options: ShardingOptions
+    _mesh: ShardMesh | None = None
+
+    @property
+    def options(self) -> ShardingOptions:
+        """The sharding options this strategy was built with (read-only)."""
+        return self._options
+
+    @property
+    def mesh(self) -> ShardMesh | None:
+        """The shard and replicate groups ([Note: hybrid sharding]); None before setup."""
+        return self._mesh
+
+    def _ensure_mesh(self) -> None:
+        if self._mesh is None:
+            self._mesh = build_mesh(
+                self._options, world_size=self.world_size, num_nodes=self.num_nodes
+            )

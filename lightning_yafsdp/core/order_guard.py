@@ -59,6 +59,12 @@ class CollectiveOrderGuard:
     ) -> None:
         self.mesh = mesh
         self.device = device
+        # Per group: its global ranks (for error messages), computed once, not per collective.
+        self._ranks = {
+            id(group): [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+            for group in (mesh.shard_group, mesh.replicate_group)
+            if group is not None
+        }
         self.describe = describe
         # Counted apart from the engine's traffic, which tests compare with the design.
         self.stats = CommStats()
@@ -66,11 +72,11 @@ class CollectiveOrderGuard:
     def start(self, kind: str, *, unit: str, tag: tuple[int, int]) -> TagExchange:
         """Issue the tag exchange of the collective about to be issued (async, tiny)."""
         group = self.mesh.replicate_group if kind == "all_reduce" else self.mesh.shard_group
-        size = dist.get_world_size(group)
+        ranks = self._ranks[id(group)]
+        size = len(ranks)
         mine = torch.tensor((_KIND_CODES[kind], *tag), dtype=torch.int64, device=self.device)
         every = torch.empty(size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
         work = all_gather_into(every, mine, group, async_op=True, stats=self.stats)
-        ranks = [dist.get_global_rank(group, r) for r in range(size)]
         return TagExchange(self, kind=kind, unit=unit, every=every, work=work, ranks=ranks)
 
     def explain(self, row: tuple[int, ...]) -> str:

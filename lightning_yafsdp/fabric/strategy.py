@@ -48,7 +48,7 @@ from lightning_yafsdp.adapters.distributed import (
     init_process_group,
     register_once,
 )
-from lightning_yafsdp.adapters.mesh import build_mesh
+from lightning_yafsdp.adapters.mesh import ShardingState
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.sharding import (
     parameter_names,
@@ -65,7 +65,6 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     save_fabric_checkpoint,
 )
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.mesh import ShardMesh
 from lightning_yafsdp.fabric.precision import YaFSDPPrecision, to_fabric_precision
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
@@ -88,7 +87,7 @@ _OPTIMIZER_AFTER_SETUP = (
 )
 
 
-class YaFSDPStrategy(ParallelStrategy, _Sharded):
+class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
     """Fully sharded data parallel training in a Fabric loop.
 
     Takes the arguments of :class:`lightning_yafsdp.strategy.YaFSDPStrategy` (units,
@@ -139,7 +138,6 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
         )
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
-        self._mesh: ShardMesh | None = None  # built in setup_environment
         self._backward_sync_control = _AccumulatingBackward()
         self._sharded_modules: list[nn.Module] = []
 
@@ -177,16 +175,6 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
     @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
-
-    @property
-    def options(self) -> ShardingOptions:
-        """The sharding options this strategy was built with (read-only)."""
-        return self._options
-
-    @property
-    def mesh(self) -> ShardMesh | None:
-        """The shard and replicate groups ([Note: hybrid sharding]); None before setup."""
-        return self._mesh
 
     @property
     def state_dict_type(self) -> StateDictType:
@@ -229,7 +217,7 @@ class YaFSDPStrategy(ParallelStrategy, _Sharded):
             backend=self._process_group_backend,
             timeout=self._options.timeout,
         )
-        self._mesh = build_mesh(self._options, world_size=self.world_size, num_nodes=self.num_nodes)
+        self._ensure_mesh()
         self.precision.device_type = self.root_device.type
 
     @override
