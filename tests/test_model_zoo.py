@@ -215,8 +215,9 @@ def _assert_follows_init_scheme(name: str, actual: torch.Tensor, eager: torch.Te
     # samples: sigma = std * sqrt(2/n) for the means, about sqrt(1/n) for log(std ratio)
     # (normal draws). Allow INIT_SIGMAS of those: a right init misses by chance about once
     # in 10^6 tensors (the old bound forgot the eager build's own noise and failed CI at
-    # 4.2 sigma; the largest at META_BUILD_SEED is 3.4, T5's wo mean), while a wrong scheme, e.g. N(0, 1) or 0.02 instead of T5's
-    # d_model**-0.5, is a factor 10+ in std: log 10 = 2.3, over 5 sigma from n = 5.
+    # 4.2 sigma; the largest at META_BUILD_SEED is 3.4, T5's wo mean), while a wrong
+    # scheme, e.g. N(0, 1) or 0.02 instead of T5's d_model**-0.5, is a factor 10+ in std:
+    # log 10 = 2.3, over 5 sigma from n = 5.
     mean_slack = INIT_SIGMAS * std * math.sqrt(2 / n)
     assert abs(actual.mean().item() - eager.mean().item()) <= mean_slack, (
         f"{name}: mean {actual.mean().item():.4g}, eager build {eager.mean().item():.4g}"
