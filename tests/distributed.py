@@ -15,7 +15,10 @@ without a GPU::
 
 See docs/testing.md for the full contract. In short:
 
-- Each rank is a fresh ``spawn`` process. Before ``fn`` runs, the default process group
+- Each rank is a fresh process forked by a ``forkserver`` that imported torch, Lightning,
+  transformers and this package once ([Note: preloaded ranks]); it takes the test
+  process's environment (set before ``fn`` runs, after ``fn``'s module was imported),
+  working directory and ``sys.path``. Before ``fn`` runs, the default process group
   is initialised (gloo, a FileStore in a fresh temporary directory, so back-to-back calls
   never collide on ports), the env variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR
   and MASTER_PORT are set, and torch uses ``cpu_count // world_size`` threads.
@@ -49,6 +52,16 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = ["DistributedTimeoutError", "RankFailedError", "dist_run"]
+
+# [Note: preloaded ranks] A spawned rank spends ~6 s of CPU importing torch and Lightning
+# before the test's first line, and the suite starts well over a hundred ranks on two
+# cores. A fork server imports them once; each rank is then a fork of a process that has
+# imported but never computed (no thread pool started, no CUDA), which is what makes the
+# fork safe. multiprocessing hands each rank the test process's sys.path and working
+# directory; its os.environ at the call travels in _RankConfig. What a process reads
+# only at its start (glibc's MALLOC_* variables) comes from the fork server's start, so a
+# test sets such things from inside fn (mallopt), not through the environment.
+_PRELOADED = ("torch", "torch.distributed", "lightning.pytorch", "transformers", "lightning_yafsdp")
 
 # How long a rank that was told to stop (SIGTERM) gets before SIGKILL, in seconds.
 _TERMINATE_GRACE_S = 2.0
@@ -101,6 +114,7 @@ def dist_run(
             init_method="file://" + os.path.join(store_dir, "filestore"),
             master_port=_free_port(),
             timeout_s=timeout_s,
+            environ=dict(os.environ),
         )
         ranks = _start_ranks(config, fn, args, kwargs)
         return _collect_results(ranks, deadline=deadline, timeout_s=timeout_s)
@@ -115,6 +129,9 @@ class _RankConfig:
     init_method: str
     master_port: int
     timeout_s: float
+    # The test process's environment at the call: a forked rank would otherwise keep the
+    # fork server's, from its start ([Note: preloaded ranks]).
+    environ: dict[str, str]
 
 
 @dataclass
@@ -127,7 +144,8 @@ class _Rank:
 def _start_ranks(
     config: _RankConfig, fn: Callable[..., Any], args: tuple, kwargs: dict
 ) -> list[_Rank]:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(_PRELOADED))  # used when the server starts: once
     ranks: list[_Rank] = []
     try:
         for rank in range(config.world_size):
@@ -308,6 +326,7 @@ def _rank_main(
 def _run_fn(
     rank: int, config: _RankConfig, fn: Callable[..., Any], args: tuple, kwargs: dict
 ) -> Any:
+    _adopt_test_environment(config)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(config.world_size),
@@ -332,6 +351,11 @@ def _run_fn(
     return result
 
 
+def _adopt_test_environment(config: _RankConfig) -> None:
+    os.environ.clear()
+    os.environ.update(config.environ)
+
+
 def _orderly_shutdown() -> None:
     """Destroy the gloo group and free it before the process exits.
 
@@ -353,7 +377,10 @@ def _orderly_shutdown() -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the rank gets SIGKILL if the test process dies, so no orphan hangs on."""
+    """Linux: the rank gets SIGKILL if its parent dies, so no orphan hangs on.
+
+    The parent is the fork server, which exits when the test process does.
+    """
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         try:

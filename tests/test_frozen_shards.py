@@ -11,8 +11,8 @@ model frozen, the RSS growth per rank follows 1/N as N goes 1 -> 2 -> 4 (measure
 
 from __future__ import annotations
 
+import ctypes
 import gc
-import os
 
 import pytest
 import torch
@@ -120,7 +120,17 @@ def _rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def _mmap_large_allocations() -> None:
+    # Large tensors get their own mappings, returned to the kernel when freed, so RSS
+    # follows live bytes instead of glibc's high-water heap. mallopt, not the
+    # MALLOC_MMAP_THRESHOLD_ variable: glibc reads that once, at a process's start, and a
+    # dist_run rank is forked from a server that started long before.
+    m_mmap_threshold = -3
+    assert ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 65536) == 1
+
+
 def _frozen_base_growth() -> dict:
+    _mmap_large_allocations()
     # A first, tiny run loads what every run needs once (kernels, autograd and optimizer
     # code, gloo's buffers: ~18 MB here, whatever the model), so that the growth below is
     # what the model costs.
@@ -161,15 +171,7 @@ def _init_linear(module: nn.Module) -> None:
 
 @pytest.fixture(scope="module")
 def growth_by_world_size() -> dict[int, dict]:
-    # Large tensors get their own mappings, returned to the kernel when freed, so RSS
-    # follows live bytes instead of glibc's high-water heap.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
-        return {
-            n: max(dist_run(n, _frozen_base_growth), key=lambda r: r["growth"]) for n in (1, 2, 4)
-        }
-    finally:
-        os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+    return {n: max(dist_run(n, _frozen_base_growth), key=lambda r: r["growth"]) for n in (1, 2, 4)}
 
 
 def test_frozen_base_memory_per_rank_falls_as_one_over_n(growth_by_world_size) -> None:

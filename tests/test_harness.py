@@ -59,6 +59,10 @@ def _kwargs_echo(a, *, b):
     return (a, b)
 
 
+def _test_process_state(name):
+    return {"value": os.environ.get(name), "cwd": os.getcwd()}
+
+
 # --- tests ------------------------------------------------------------------------------
 
 
@@ -78,6 +82,19 @@ def test_results_come_back_indexed_by_rank_with_env_and_group_set():
         }
         assert r["threads"] == max(1, os.cpu_count() // 2)
     assert results[0]["master_port"] == results[1]["master_port"] > 0
+
+
+def test_ranks_see_the_environment_and_directory_of_the_call_not_the_fork_servers(
+    monkeypatch, tmp_path
+):
+    # The first call may start the fork server with the variable set; the second must
+    # still not see it once the test process dropped it.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DIST_RUN_PROBE", "set at the call")
+    seen = dist_run(2, _test_process_state, "DIST_RUN_PROBE")
+    assert seen == [{"value": "set at the call", "cwd": str(tmp_path)}] * 2
+    monkeypatch.delenv("DIST_RUN_PROBE")
+    assert [r["value"] for r in dist_run(2, _test_process_state, "DIST_RUN_PROBE")] == [None] * 2
 
 
 def test_world_size_one_runs_fn_with_args_and_kwargs():
