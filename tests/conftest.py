@@ -1,5 +1,7 @@
 """Suite-wide pytest hooks."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,3 +14,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test ends with the environment it started with.
+
+    A fit inside the test process leaves variables behind (``seed_everything`` sets
+    ``PL_GLOBAL_SEED``, which Lightning's strategies then use to reseed every rank), and
+    each later ``dist_run`` rank and launched script would inherit them: a test's
+    verdict would depend on which tests ran before it.
+    """
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

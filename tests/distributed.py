@@ -16,7 +16,8 @@ without a GPU::
 See docs/testing.md for the full contract. In short:
 
 - Each rank is a fresh process forked by a ``forkserver`` that imported torch, Lightning,
-  transformers and this package once ([Note: preloaded ranks]); it takes the test
+  transformers and this package once ([Note: preloaded ranks]; spawned where CUDA is
+  available); it takes the test
   process's environment (set before ``fn`` runs, after ``fn``'s module was imported),
   working directory and ``sys.path``. Before ``fn`` runs, the default process group
   is initialised (gloo, a FileStore in a fresh temporary directory, so back-to-back calls
@@ -35,6 +36,7 @@ See docs/testing.md for the full contract. In short:
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -56,13 +58,23 @@ __all__ = ["DistributedTimeoutError", "RankFailedError", "dist_run"]
 # [Note: preloaded ranks] A spawned rank spends ~6 s of CPU importing torch and Lightning
 # before the test's first line, and the suite starts well over a hundred ranks on two
 # cores. A fork server imports them once; each rank is then a fork of a process that has
-# imported but never computed (no thread pool started, no CUDA), which is what makes the
-# fork safe. multiprocessing hands each rank the test process's sys.path and working
-# directory; its os.environ at the call travels in _RankConfig. What a process reads
-# only at its start (glibc's MALLOC_* variables) comes from the fork server's start, so a
-# test sets such things from inside fn (mallopt), not through the environment.
+# imported but never computed (no thread pool started), which is what makes the fork
+# safe. Where CUDA is available the ranks are spawned as before: a CUDA driver touched
+# by an import in the server would not survive the fork.
+# - multiprocessing hands each rank the test process's sys.path and working directory;
+#   its os.environ at the call travels in _RankConfig. What a process reads only at its
+#   start (glibc's MALLOC_* variables) comes from the fork server's start, so a test sets
+#   such things from inside fn (mallopt), not through the environment.
+# - A forked rank ends with os._exit (atexit handlers and C++ static destructors do not
+#   run): crashes at interpreter exit are for tests/test_clean_exit.py, which launches
+#   real scripts, to catch.
+# - The server is started, and its imports waited for, before a call's timeout starts.
 _PRELOADED = ("torch", "torch.distributed", "lightning.pytorch", "transformers", "lightning_yafsdp")
 
+# How much longer than dist_run's deadline a rank's collectives wait, in seconds: a
+# forked rank starts within a second, so a collective timeout equal to the deadline would
+# race dist_run's own report of the hang.
+_COLLECTIVE_TIMEOUT_MARGIN_S = 30.0
 # How long a rank that was told to stop (SIGTERM) gets before SIGKILL, in seconds.
 _TERMINATE_GRACE_S = 2.0
 # How long a rank that already sent its result gets to exit on its own, in seconds.
@@ -91,7 +103,9 @@ def dist_run(
         fn: A module-level function (it is pickled by reference into each process).
         *args: Positional arguments for ``fn``; pickled, identical on every rank.
         timeout_s: Wall-clock budget in seconds for the whole run, process start-up
-            included; also the process group's collective timeout. Default 120.
+            included. Default 120. The process group's collective timeout is
+            ``_COLLECTIVE_TIMEOUT_MARGIN_S`` longer, so that a hung collective is reported
+            by ``dist_run`` as a timeout rather than by the rank as a failure.
         **kwargs: Keyword arguments for ``fn``; pickled, identical on every rank.
 
     Returns:
@@ -105,6 +119,7 @@ def dist_run(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    ctx = _rank_context()
     deadline = time.monotonic() + timeout_s
     store_dir = tempfile.mkdtemp(prefix="dist_run_")
     ranks: list[_Rank] = []
@@ -116,7 +131,7 @@ def dist_run(
             timeout_s=timeout_s,
             environ=dict(os.environ),
         )
-        ranks = _start_ranks(config, fn, args, kwargs)
+        ranks = _start_ranks(ctx, config, fn, args, kwargs)
         return _collect_results(ranks, deadline=deadline, timeout_s=timeout_s)
     finally:
         _stop_all(ranks)
@@ -141,11 +156,29 @@ class _Rank:
     reader: multiprocessing.connection.Connection
 
 
-def _start_ranks(
-    config: _RankConfig, fn: Callable[..., Any], args: tuple, kwargs: dict
-) -> list[_Rank]:
+@functools.cache
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """Where ranks come from ([Note: preloaded ranks]): a ready fork server, or spawn."""
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(_PRELOADED))  # used when the server starts: once
+    ctx.set_forkserver_preload(list(_PRELOADED))
+    # The server forks its first child only once it has imported everything.
+    first = ctx.Process(target=_server_ready, name="dist_run-server-ready")
+    first.start()
+    first.join()
+    return ctx
+
+
+def _start_ranks(
+    ctx: multiprocessing.context.BaseContext,
+    config: _RankConfig,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+) -> list[_Rank]:
     ranks: list[_Rank] = []
     try:
         for rank in range(config.world_size):
@@ -302,6 +335,10 @@ def _free_port() -> int:
 # --- in the child process -------------------------------------------------------------
 
 
+def _server_ready() -> None:
+    pass
+
+
 def _rank_main(
     rank: int,
     config: _RankConfig,
@@ -344,7 +381,7 @@ def _run_fn(
         init_method=config.init_method,
         rank=rank,
         world_size=config.world_size,
-        timeout=timedelta(seconds=config.timeout_s),
+        timeout=timedelta(seconds=config.timeout_s + _COLLECTIVE_TIMEOUT_MARGIN_S),
     )
     result = fn(*args, **kwargs)
     _orderly_shutdown()

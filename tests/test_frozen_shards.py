@@ -124,9 +124,13 @@ def _mmap_large_allocations() -> None:
     # Large tensors get their own mappings, returned to the kernel when freed, so RSS
     # follows live bytes instead of glibc's high-water heap. mallopt, not the
     # MALLOC_MMAP_THRESHOLD_ variable: glibc reads that once, at a process's start, and a
-    # dist_run rank is forked from a server that started long before.
-    m_mmap_threshold = -3
-    assert ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 65536) == 1
+    # dist_run rank is forked from a server that started long before. The trim threshold
+    # goes back to glibc's default too: the server's imports may have raised it, and the
+    # variable at start would have frozen it there.
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    libc = ctypes.CDLL("libc.so.6")
+    assert libc.mallopt(m_mmap_threshold, 65536) == 1
+    assert libc.mallopt(m_trim_threshold, 128 * 1024) == 1
 
 
 def _frozen_base_growth() -> dict:

@@ -55,6 +55,10 @@ def _large_result(numel):
     return {f"w{i}": torch.full((numel,), float(dist.get_rank())) for i in range(4)}
 
 
+def _ready():
+    return None
+
+
 def _kwargs_echo(a, *, b):
     return (a, b)
 
@@ -64,6 +68,12 @@ def _test_process_state(name):
 
 
 # --- tests ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ranks_start_at_once():
+    """The fork server up and done importing, so that a timed call measures only itself."""
+    dist_run(1, _ready)
 
 
 def test_results_come_back_indexed_by_rank_with_env_and_group_set():
@@ -116,7 +126,9 @@ def test_large_results_do_not_deadlock():
         assert all(t.shape == (numel,) and bool((t == rank).all()) for t in tensors.values())
 
 
-def test_exception_on_one_rank_raises_with_rank_and_traceback_and_stops_the_others():
+def test_exception_on_one_rank_raises_with_rank_and_traceback_and_stops_the_others(
+    ranks_start_at_once,
+):
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
         dist_run(2, _raise_on_rank_1, timeout_s=60)
@@ -129,7 +141,7 @@ def test_exception_on_one_rank_raises_with_rank_and_traceback_and_stops_the_othe
     assert elapsed < 30, f"rank 0 was left waiting in its barrier ({elapsed:.1f} s)"
 
 
-def test_hanging_rank_is_killed_and_named_at_the_timeout():
+def test_hanging_rank_is_killed_and_named_at_the_timeout(ranks_start_at_once):
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError) as info:
         dist_run(2, _hang_on_rank_1, timeout_s=6)
