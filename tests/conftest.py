@@ -16,16 +16,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_cuda)
 
 
-@pytest.fixture(autouse=True)
-def _environment_restored():
-    """Every test ends with the environment it started with.
+def _restore_environment(saved: dict[str, str]) -> None:
+    # Key by key, not clear() + update(): the environment is never empty in between.
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_environment_restored():
+    """Every test module ends with the environment it started with.
 
     A fit inside the test process leaves variables behind (``seed_everything`` sets
     ``PL_GLOBAL_SEED``, which Lightning's strategies then use to reseed every rank), and
     each later ``dist_run`` rank and launched script would inherit them: a test's
-    verdict would depend on which tests ran before it.
+    verdict would depend on which tests ran before it. Module-scoped fixtures (a fit
+    shared by a module's tests) run before any test's own restore, hence this one too.
     """
     saved = dict(os.environ)
     yield
-    os.environ.clear()
-    os.environ.update(saved)
+    _restore_environment(saved)
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test ends with the environment it started with (see above)."""
+    saved = dict(os.environ)
+    yield
+    _restore_environment(saved)

@@ -46,6 +46,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -69,6 +70,9 @@ __all__ = ["DistributedTimeoutError", "RankFailedError", "dist_run"]
 #   run): crashes at interpreter exit are for tests/test_clean_exit.py, which launches
 #   real scripts, to catch.
 # - The server is started, and its imports waited for, before a call's timeout starts.
+# - All forked ranks share one string-hash seed (spawned or launched ranks do not), so a
+#   collective order that followed set iteration order would go unnoticed here; the
+#   engine keeps its string sets to membership tests.
 _PRELOADED = ("torch", "torch.distributed", "lightning.pytorch", "transformers", "lightning_yafsdp")
 
 # How much longer than dist_run's deadline a rank's collectives wait, in seconds: a
@@ -156,20 +160,32 @@ class _Rank:
     reader: multiprocessing.connection.Connection
 
 
-@functools.cache
 def _rank_context() -> multiprocessing.context.BaseContext:
     """Where ranks come from ([Note: preloaded ranks]): a ready fork server, or spawn."""
-    import torch
-
-    if torch.cuda.is_available():
+    if not _forking_is_safe():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(_PRELOADED))
-    # The server forks its first child only once it has imported everything.
-    first = ctx.Process(target=_server_ready, name="dist_run-server-ready")
-    first.start()
-    first.join()
+    # The server forks a child only once it has imported everything, so a child that
+    # does nothing waits out the imports here, outside the call's deadline: at the first
+    # call, and again if the server died and multiprocessing starts a new one (~0.1 s
+    # otherwise).
+    warm_up = ctx.Process(target=_do_nothing, name="dist_run-fork-server-warm-up")
+    warm_up.start()
+    warm_up.join()
+    if warm_up.exitcode != 0:
+        raise RuntimeError(
+            f"dist_run: the fork server's first child exited with code "
+            f"{_describe_exit(warm_up.exitcode)}; one of {_PRELOADED} may fail to import"
+        )
     return ctx
+
+
+@functools.cache
+def _forking_is_safe() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def _start_ranks(
@@ -335,8 +351,8 @@ def _free_port() -> int:
 # --- in the child process -------------------------------------------------------------
 
 
-def _server_ready() -> None:
-    pass
+def _do_nothing() -> None:
+    """The fork server's warm-up child (``_rank_context``)."""
 
 
 def _rank_main(
@@ -414,9 +430,12 @@ def _orderly_shutdown() -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: the rank gets SIGKILL if its parent dies, so no orphan hangs on.
+    """The rank ends if the test process dies, so that no orphan hangs on.
 
-    The parent is the fork server, which exits when the test process does.
+    A spawned rank's parent is the test process: Linux's parent-death signal does it. A
+    forked rank's parent is the fork server, which outlives the test process while any
+    rank runs; there a daemon thread waits on the test process's end of the pipe that
+    multiprocessing keeps open for as long as the test process lives.
     """
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
@@ -424,3 +443,11 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
         except (OSError, AttributeError):
             pass
+    test_process = multiprocessing.parent_process()
+    if test_process is not None:
+        threading.Thread(target=_exit_when_ended, args=(test_process,), daemon=True).start()
+
+
+def _exit_when_ended(test_process: multiprocessing.process.BaseProcess) -> None:
+    multiprocessing.connection.wait([test_process.sentinel])
+    os._exit(1)

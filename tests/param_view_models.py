@@ -417,7 +417,7 @@ def compare_variant(variant: Variant, subject: str = "yafsdp", **yafsdp_options)
 
 
 def compare_all(variants: dict[str, Variant], subject: str = "yafsdp") -> dict[str, dict]:
-    """Every variant in one spawn (a spawn costs ~15 s of imports); see :func:`guarded`."""
+    """Every variant in one multi-rank run; see :func:`guarded`."""
     return {name: guarded(compare_variant, variant, subject) for name, variant in variants.items()}
 
 

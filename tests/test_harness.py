@@ -1,7 +1,11 @@
 """The multi-rank harness (tests/distributed.py) behaves as its contract says."""
 
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,6 +61,11 @@ def _large_result(numel):
 
 def _ready():
     return None
+
+
+def _note_pid_and_sleep(directory):
+    Path(directory, f"rank{os.environ['RANK']}.pid").write_text(str(os.getpid()))
+    time.sleep(600)
 
 
 def _kwargs_echo(a, *, b):
@@ -150,6 +159,51 @@ def test_hanging_rank_is_killed_and_named_at_the_timeout(ranks_start_at_once):
     # Rank 0 waits in the barrier for rank 1, so it hangs too; rank 1 must be named.
     assert "rank(s) [0, 1] of 2" in str(info.value) or "rank(s) [1] of 2" in str(info.value)
     assert 6 <= elapsed < 6 + 8
+
+
+_CALLER = """
+import sys
+sys.path.insert(0, {root!r})
+from tests.distributed import dist_run
+from tests.test_harness import _note_pid_and_sleep
+
+if __name__ == "__main__":
+    dist_run(2, _note_pid_and_sleep, {pids!r}, timeout_s=600)
+"""
+
+
+def _has_ended(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"  # dead, unreaped
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ranks_end_when_the_test_process_is_killed(tmp_path):
+    # A rank forked by the fork server is not the test process's child: without its
+    # watch on the test process it would sleep on after a CI timeout kills pytest.
+    script = tmp_path / "caller.py"
+    script.write_text(_CALLER.format(root=str(Path(__file__).parents[1]), pids=str(tmp_path)))
+    caller = subprocess.Popen([sys.executable, str(script)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pid_files := sorted(tmp_path.glob("rank*.pid"))) < 2:
+            assert caller.poll() is None and time.monotonic() < deadline, "ranks never started"
+            time.sleep(0.2)
+        pids = [int(f.read_text()) for f in pid_files]
+        caller.kill()
+        caller.wait()
+        deadline = time.monotonic() + 10
+        while not all(_has_ended(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [_has_ended(pid) for pid in pids] == [True, True]
+    finally:
+        caller.kill()
+        for pid in pids:
+            if not _has_ended(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_rank_that_exits_without_reporting_is_reported_with_its_exit_code():

@@ -10,7 +10,7 @@ Nine families from tiny configs (see ``tests/zoo_models.py``), each in two ways:
   ``precision="32-true"``: per-step losses and final weights equal DDP's to float
   round-off.
 
-One spawned ``dist_run`` per scenario fits every family (spawning costs ~15 s); the
+One ``dist_run`` per scenario fits every family, one after the other; the
 tests assert on the facts it returns, one family per test id. A fit that raises is
 returned as its traceback, so one broken family fails only its own tests.
 """

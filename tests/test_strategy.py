@@ -1,7 +1,6 @@
 """Trainer(strategy="yafsdp") on two CPU ranks behaves like strategy="ddp", only sharded.
 
-Each spawned run costs ~15 s (mostly importing lightning in two fresh processes), so
-each ``dist_run`` below fits several Trainers and returns plain facts; module-scoped
+Each ``dist_run`` below fits several Trainers and returns plain facts; module-scoped
 fixtures run it once and the tests assert one behaviour each on those facts.
 """
 

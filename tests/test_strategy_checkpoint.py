@@ -1,7 +1,7 @@
 """Lightning checkpoints with strategy="yafsdp": save, ModelCheckpoint, resume, reshard, convert.
 
-Every Trainer here runs on real gloo ranks (tests/distributed.py). Spawning costs
-~15 s, so two spawned runs do everything and return plain facts; the tests assert
+Every Trainer here runs on real gloo ranks (tests/distributed.py). Two multi-rank
+runs do everything and return plain facts; the tests assert
 on them (and on the files they leave) one behaviour each:
 
 - ``_two_rank_runs``: a straight 6-step fit with two ``ModelCheckpoint`` callbacks

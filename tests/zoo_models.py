@@ -271,11 +271,11 @@ def _is_yafsdp(trainer: pl.Trainer) -> bool:
 def dist_run_each(
     world_size: int, fn: Callable, keys: list[str], *args, timeout_s: float, alone_timeout_s: float
 ) -> dict[str, list[dict] | str]:
-    """Runs ``fn(keys, *args)`` (which returns ``{key: facts}`` on each rank) in one spawn.
+    """Runs ``fn(keys, *args)`` (which returns ``{key: facts}`` on each rank) in one call.
 
-    One spawn costs ~15 s of imports, so all keys share it. A rank that dies (an abort, a
-    hang) would take every key's result with it: then each key runs again in a spawn of
-    its own, so that only the key that kills its ranks loses its facts.
+    All keys share one ``dist_run``: one set of ranks and one gloo group. A rank that dies
+    (an abort, a hang) would take every key's result with it: then each key runs again in
+    a call of its own, so that only the key that kills its ranks loses its facts.
 
     Returns:
         ``{key: [facts of rank 0, facts of rank 1, ...]}``, or ``{key: "what killed it"}``.
