@@ -17,6 +17,7 @@ directory (our default format) would fail with a raw ``IsADirectoryError``.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import importlib.util
 import os
@@ -46,19 +47,69 @@ def register_when_lightning_loads() -> None:
         sys.meta_path.insert(0, _RegisterAfterImport(waiting))
 
 
+STRATEGY_NAME = "yafsdp"
+STRATEGY_DESCRIPTION = "YaFSDP fully sharded data parallel (lightning_yafsdp)"
+
+
 def _register_trainer() -> None:
     _read_sharded_directories_in_load_from_checkpoint()
-    # strategy.py registers itself when it finishes loading. If it is loading right now
-    # (``from lightning_yafsdp import YaFSDPStrategy`` is what imported Lightning), it is
-    # already in sys.modules, half-initialized: importing it here would be circular.
-    if "lightning_yafsdp.strategy" not in sys.modules:
-        import lightning_yafsdp.strategy  # noqa: F401
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    _register_strategy_module("lightning_yafsdp.strategy", StrategyRegistry)
 
 
 def _register_fabric() -> None:
-    # As above, for ``from lightning_yafsdp.fabric import ...`` importing Fabric.
-    if "lightning_yafsdp.fabric" not in sys.modules:
-        import lightning_yafsdp.fabric  # noqa: F401
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+    _register_strategy_module("lightning_yafsdp.fabric", STRATEGY_REGISTRY)
+
+
+def _register_strategy_module(module_name: str, registry: Any) -> None:
+    """Import the module that registers its strategy class, or register it for later.
+
+    [Note: registering while our own modules load] The module registers its class when
+    it finishes loading. If it is loading right now (``from lightning_yafsdp import
+    YaFSDPStrategy`` is what imported Lightning), it is in sys.modules half-built and
+    will register itself. If another module of this package is half-built (say
+    ``from lightning_yafsdp.precision import YaFSDPPrecision`` imported Lightning), the
+    strategy module would import it and find its names missing: then the name is
+    registered to a factory that imports the strategy module when Lightning first
+    builds ``"yafsdp"``, and the class replaces it once the module loads.
+    """
+    if module_name in sys.modules:
+        return
+    if _a_module_of_ours_is_loading():
+        registry.register(
+            STRATEGY_NAME,
+            _StrategyOnFirstUse(module_name),
+            description=STRATEGY_DESCRIPTION,
+            override=True,
+        )
+        return
+    importlib.import_module(module_name)
+
+
+def _a_module_of_ours_is_loading() -> bool:
+    # ``__spec__._initializing`` is what the import system itself reads to tell a
+    # half-built module (its "most likely due to a circular import" error).
+    return any(
+        name.startswith("lightning_yafsdp.")
+        and getattr(getattr(module, "__spec__", None), "_initializing", False)
+        for name, module in list(sys.modules.items())
+    )
+
+
+class _StrategyOnFirstUse:
+    """Stands in the registry for a strategy class until its module has loaded."""
+
+    imports_on_first_use = True
+
+    def __init__(self, module_name: str) -> None:
+        self._module_name = module_name
+
+    def __call__(self, **init_params: Any) -> Any:
+        module = importlib.import_module(self._module_name)
+        return module.YaFSDPStrategy(**init_params)
 
 
 _REGISTRATIONS: dict[str, Callable[[], None]] = {

@@ -13,7 +13,9 @@ traffic per group against the estimate's formula: tests/test_estimate.py.)
 from __future__ import annotations
 
 import gc
+import warnings
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -58,6 +60,17 @@ def _fit_facts(strategy, *, build: str = "eager", **trainer_options) -> dict:
     return facts
 
 
+def _spread_warnings(hostnames: list[str]) -> list[str]:
+    """The warnings about spread shard groups of a 2 x 2 fit on these (pretend) machines."""
+    with (
+        mock.patch("socket.gethostname", return_value=hostnames[dist.get_rank()]),
+        warnings.catch_warnings(record=True) as caught,
+    ):
+        warnings.simplefilter("always")
+        _fit_facts(YaFSDPStrategy(shard_size=2), max_steps=1)
+    return [str(w.message) for w in caught if "shard groups span" in str(w.message)]
+
+
 def _trainer_runs() -> dict:
     runs = {
         "ddp": _fit_facts("ddp"),
@@ -76,6 +89,8 @@ def _trainer_runs() -> dict:
         _fit_facts(YaFSDPStrategy(shard_size=3), max_steps=1)
     except ValueError as error:
         runs["refused"] = str(error)
+    runs["warned-cyclic"] = _spread_warnings(["node-a", "node-b", "node-a", "node-b"])
+    runs["warned-block"] = _spread_warnings(["node-a", "node-a", "node-b", "node-b"])
     gc.collect()  # no DDP module may outlive the process group
     return runs
 
@@ -131,6 +146,29 @@ def test_a_shard_size_that_does_not_divide_the_world_is_refused_with_the_divisor
     message = trainer_runs[0]["refused"]
     assert "shard_size=3 does not divide the world size 4" in message
     assert "[1, 2, 4]" in message
+
+
+def test_shard_groups_numbered_across_machines_are_warned_about_once(trainer_runs):
+    # Ranks 0, 2 on one machine and 1, 3 on another: shard group [0, 1] spans both.
+    rank0, *others = (run["warned-cyclic"] for run in trainer_runs)
+    assert len(rank0) == 1 and others == [[], [], []], (rank0, others)
+    assert "2 of 2 shard groups span more machines than they need" in rank0[0]
+    assert "ranks 0-1 run on 2 machines (node-a, node-b)" in rank0[0]
+    assert "--distribution=block" in rank0[0] and "shard_size=4" in rank0[0]
+    assert all(run["warned-block"] == [] for run in trainer_runs)
+
+
+def test_which_shard_groups_need_fewer_machines():
+    from lightning_yafsdp.adapters.hosts import spread_shard_groups
+
+    block = ["a"] * 4 + ["b"] * 4
+    assert spread_shard_groups(block, 4) == []
+    assert spread_shard_groups(block, 8) == []  # two machines are the fewest it needs
+    assert spread_shard_groups(["a", "b"] * 4, 4) == [(0, ["a", "b"]), (4, ["a", "b"])]
+    # 16-rank groups on four 8-rank machines: two machines each, or all four if cyclic.
+    assert spread_shard_groups([m for m in "abcd" for _ in range(8)], 16) == []
+    machines = ["a", "b", "c", "d"]
+    assert spread_shard_groups(machines * 8, 16) == [(0, machines), (16, machines)]
 
 
 def test_bad_mesh_arguments_are_refused_before_any_process_starts():

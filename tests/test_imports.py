@@ -35,6 +35,55 @@ def test_importing_core_and_its_modules_loads_no_lightning():
     )
 
 
+_IMPORTS_LIGHTNING = re.compile(r"^(?:from lightning[. ]|import lightning\b)", re.MULTILINE)
+# What the two strategy modules import: only these can be half-built when Lightning's
+# import (which they started) registers "yafsdp" and imports the strategy modules.
+_STRATEGY_IMPORTS = ("adapters", "fabric", "precision.py")
+
+
+def _strategy_dependencies_importing_lightning() -> list[str]:
+    root = Path(lightning_yafsdp.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] in _STRATEGY_IMPORTS and _IMPORTS_LIGHTNING.search(path.read_text()):
+            name = ".".join(("lightning_yafsdp", *path.relative_to(root).with_suffix("").parts))
+            found.append(name.removesuffix(".__init__"))
+    return found
+
+
+def _registered_after_importing_first(module: str) -> subprocess.Popen:
+    probe = (
+        "import importlib, sys\n"
+        "importlib.import_module(sys.argv[1])\n"
+        "from lightning.fabric.strategies import STRATEGY_REGISTRY\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "registries = (StrategyRegistry, STRATEGY_REGISTRY)\n"
+        "print([type(registry.get('yafsdp')).__module__ for registry in registries])\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", probe, module],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_every_module_the_strategies_import_can_be_imported_first():
+    # ``from lightning_yafsdp.precision import YaFSDPPrecision`` as a program's first
+    # import failed with a circular ImportError ([Note: registering while our own modules
+    # load]). Each module first, in its own interpreter, two at a time (two cores).
+    modules = _strategy_dependencies_importing_lightning()
+    assert {"lightning_yafsdp.precision", "lightning_yafsdp.adapters.options"} <= set(modules)
+    expected = "['lightning_yafsdp.strategy', 'lightning_yafsdp.fabric.strategy']"
+    for pair in (modules[i : i + 2] for i in range(0, len(modules), 2)):
+        running = {module: _registered_after_importing_first(module) for module in pair}
+        for module, proc in running.items():
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"import {module} first:\n{err[-2000:]}"
+            assert out.strip().splitlines()[-1] == expected, (module, out)
+
+
 def test_python_dash_m_prints_the_version():
     proc = _run_python("-m", "lightning_yafsdp", "--version")
 

@@ -10,6 +10,8 @@ engine logic and neither writes them twice:
 - ``sharding.py``: turning a module (meta-built or real) into a sharded one, and
   pointing optimizers built before that at the sharded parameters.
 - ``distributed.py``: the process group, barrier and broadcast.
+- ``mesh.py``: the shard and replicate groups, built once per strategy; ``hosts.py``:
+  the warning when a shard group spans more machines than it needs.
 
 The checkpoint entries both write are ``checkpoint/entries.py``. Nothing here imports
 ``lightning.pytorch``, so a Fabric-only program never loads it.

@@ -15,6 +15,8 @@ from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from lightning_yafsdp._registration import STRATEGY_DESCRIPTION
+
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
 
@@ -47,13 +49,19 @@ def assign_world_ranks(strategy: Any) -> None:
 
 
 def register_once(strategy_class: Any, registry: Any) -> None:
-    """Register ``"yafsdp"``; a second call (re-import, reload) is a no-op."""
-    if strategy_class.strategy_name in registry:
+    """Register ``"yafsdp"``; a second call (re-import, reload) is a no-op.
+
+    A factory that stood in while the class's module loaded is replaced by the class
+    ([Note: registering while our own modules load]).
+    """
+    entry = dict.get(registry, strategy_class.strategy_name)  # the registry's get() builds one
+    if entry is not None and not getattr(entry["strategy"], "imports_on_first_use", False):
         return
     registry.register(
         strategy_class.strategy_name,
         strategy_class,
-        description="YaFSDP fully sharded data parallel (lightning_yafsdp)",
+        description=STRATEGY_DESCRIPTION,
+        override=True,
     )
 
 

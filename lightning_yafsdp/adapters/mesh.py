@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
+from lightning_yafsdp.adapters.hosts import warn_if_shard_groups_are_spread
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.core.mesh import ShardMesh, check_shard_size, default_shard_size
 
@@ -34,6 +35,7 @@ def build_mesh(options: ShardingOptions, *, world_size: int, num_nodes: int) -> 
         built = ShardMesh.hybrid(shard_size, timeout=options.timeout)
     if built.is_hybrid:
         rank_zero_info(f"yafsdp: hybrid sharding, {built.describe()} (shard_size= to change)")
+        warn_if_shard_groups_are_spread(built)
     return built
 
 

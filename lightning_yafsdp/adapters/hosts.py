@@ -1,0 +1,64 @@
+"""Do the shard groups sit on as few machines as their size allows?
+
+[Note: shard groups and machines]
+A shard group is K consecutive global ranks ([Note: hybrid sharding]). That is one
+machine's ranks when the launcher numbers ranks node by node, as Lightning's own
+launcher, torchrun and SLURM's default block distribution do. A cyclic numbering
+(``srun --distribution=cyclic``) puts consecutive ranks on different machines: every
+all_gather and reduce_scatter of every unit then crosses the network. Training is still
+correct, only slower than the flat sharding hybrid sharding was meant to beat, so the
+strategies warn once at setup instead of refusing; they compare hostnames, which cost
+one small all_gather.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections import Counter
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+from lightning_yafsdp.core.mesh import ShardMesh
+
+
+def spread_shard_groups(hostnames: Sequence[str], shard_size: int) -> list[tuple[int, list[str]]]:
+    """The shard groups on more machines than they need: ``(first rank, machines)`` each.
+
+    ``hostnames[rank]`` is where each global rank runs. A group needs
+    ``ceil(shard_size / ranks per machine)`` machines (the fewest ranks any machine runs).
+    """
+    fewest_per_machine = min(Counter(hostnames).values())
+    needed = math.ceil(shard_size / fewest_per_machine)
+    spread = []
+    for first in range(0, len(hostnames), shard_size):
+        machines = sorted(set(hostnames[first : first + shard_size]))
+        if len(machines) > needed:
+            spread.append((first, machines))
+    return spread
+
+
+def warn_if_shard_groups_are_spread(mesh: ShardMesh) -> None:
+    """Warns (rank 0) when a shard group spans more machines than it needs. Collective."""
+    if not mesh.is_hybrid:
+        return
+    hostnames: list[str | None] = [None] * mesh.world_size
+    dist.all_gather_object(hostnames, socket.gethostname(), group=mesh.world_group)
+    spread = spread_shard_groups([str(name) for name in hostnames], mesh.shard_size)
+    if not spread:
+        return
+    first, machines = spread[0]
+    shown = ", ".join(machines[:4]) + (", ..." if len(machines) > 4 else "")
+    per_machine = min(Counter(hostnames).values())
+    rank_zero_warn(
+        f"yafsdp: {len(spread)} of {mesh.replicate_size} shard groups span more machines "
+        f"than they need, e.g. ranks {first}-{first + mesh.shard_size - 1} run on "
+        f"{len(machines)} machines ({shown}): every unit's all_gather and reduce_scatter "
+        "then crosses the network, which hybrid sharding is meant to avoid. The launcher "
+        "numbers ranks across machines instead of machine by machine (srun "
+        "--distribution=cyclic?): launch with node-major ranks (srun --distribution=block, "
+        f"as Lightning and torchrun do; then shard_size={per_machine} is one machine), or "
+        f"shard flat with shard_size={mesh.world_size}"
+    )
