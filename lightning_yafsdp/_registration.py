@@ -103,6 +103,7 @@ class _StrategyOnFirstUse:
     """Stands in the registry for a strategy class until its module has loaded."""
 
     imports_on_first_use = True
+    strategy_name = STRATEGY_NAME  # as the class has it, for code that reads the entry
 
     def __init__(self, module_name: str) -> None:
         self._module_name = module_name

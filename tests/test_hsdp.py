@@ -164,6 +164,9 @@ def test_which_shard_groups_need_fewer_machines():
     block = ["a"] * 4 + ["b"] * 4
     assert spread_shard_groups(block, 4) == []
     assert spread_shard_groups(block, 8) == []  # two machines are the fewest it needs
+    # Groups that straddle machines because 6 does not divide 8 are not the launcher's.
+    assert spread_shard_groups([m for m in "abc" for _ in range(8)], 6) == []
+    assert spread_shard_groups([m for m in "ab" for _ in range(6)], 4) == []
     assert spread_shard_groups(["a", "b"] * 4, 4) == [(0, ["a", "b"]), (4, ["a", "b"])]
     # 16-rank groups on four 8-rank machines: two machines each, or all four if cyclic.
     assert spread_shard_groups([m for m in "abcd" for _ in range(8)], 16) == []

@@ -1,9 +1,9 @@
 """Do the shard groups sit on as few machines as their size allows?
 
 [Note: shard groups and machines]
-A shard group is K consecutive global ranks ([Note: hybrid sharding]). That is one
-machine's ranks when the launcher numbers ranks node by node, as Lightning's own
-launcher, torchrun and SLURM's default block distribution do. A cyclic numbering
+A shard group is K consecutive global ranks ([Note: hybrid sharding]). With K equal to
+the ranks per machine that is one machine when the launcher numbers ranks node by node,
+as Lightning's own launcher, torchrun and SLURM's default block distribution do. A cyclic numbering
 (``srun --distribution=cyclic``) puts consecutive ranks on different machines: every
 all_gather and reduce_scatter of every unit then crosses the network. Training is still
 correct, only slower than the flat sharding hybrid sharding was meant to beat, so the
@@ -13,7 +13,6 @@ one small all_gather.
 
 from __future__ import annotations
 
-import math
 import socket
 from collections import Counter
 from collections.abc import Sequence
@@ -25,17 +24,20 @@ from lightning_yafsdp.core.mesh import ShardMesh
 
 
 def spread_shard_groups(hostnames: Sequence[str], shard_size: int) -> list[tuple[int, list[str]]]:
-    """The shard groups on more machines than they need: ``(first rank, machines)`` each.
+    """The shard groups on more machines than node-major numbering would give them.
 
-    ``hostnames[rank]`` is where each global rank runs. A group needs
-    ``ceil(shard_size / ranks per machine)`` machines (the fewest ranks any machine runs).
+    ``hostnames[rank]`` is where each global rank runs. Each group is compared with the
+    same group once the ranks are renumbered machine by machine (machines in order of
+    their first rank): a group that would need as many machines then (a shard size that
+    does not line up with the machines, say 6 on 8-GPU machines) is not the launcher's
+    doing. Returns ``(first rank, machines)`` per spread group.
     """
-    fewest_per_machine = min(Counter(hostnames).values())
-    needed = math.ceil(shard_size / fewest_per_machine)
+    first_rank = {name: rank for rank, name in reversed(list(enumerate(hostnames)))}
+    node_major = sorted(hostnames, key=first_rank.__getitem__)
     spread = []
     for first in range(0, len(hostnames), shard_size):
         machines = sorted(set(hostnames[first : first + shard_size]))
-        if len(machines) > needed:
+        if len(machines) > len(set(node_major[first : first + shard_size])):
             spread.append((first, machines))
     return spread
 
