@@ -53,6 +53,7 @@ from torch import Tensor, nn
 from torch.optim.swa_utils import AveragedModel
 from typing_extensions import override
 
+from lightning_yafsdp._registration import STRATEGY_NAME
 from lightning_yafsdp.adapters.distributed import (
     assign_world_ranks,
     barrier,
@@ -155,7 +156,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             when it is an FSDPStrategy / ModelParallelStrategy argument).
     """
 
-    strategy_name = "yafsdp"
+    strategy_name = STRATEGY_NAME
 
     def __init__(
         self,

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_yafsdp._registration import STRATEGY_NAME
 from lightning_yafsdp.adapters.distributed import (
     assign_world_ranks,
     barrier,
@@ -102,7 +103,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
             when it is an FSDPStrategy / ModelParallelStrategy argument).
     """
 
-    strategy_name = "yafsdp"
+    strategy_name = STRATEGY_NAME
 
     def __init__(
         self,
