@@ -18,12 +18,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
+from lightning_yafsdp.core import compat
+
 if TYPE_CHECKING:
     from lightning_yafsdp.core.mesh import ShardMesh
 
-# torch 2.13 recommends the ``*_single`` names; 2.11 only has ``*_into_tensor``.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# The torch-version shims (2.11 lacks the ``*_single`` names) live in core/compat.py.
+_all_gather_single = compat.all_gather_single
+_reduce_scatter_single = compat.reduce_scatter_single
 
 
 @dataclass

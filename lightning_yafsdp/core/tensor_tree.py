@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from lightning_yafsdp.core import compat
+
 _ATOMS = (
     type(None),
     bool,
@@ -39,8 +41,8 @@ _ATOMS = (
 )
 _NEVER_ACTIVATIONS = (torch.nn.Module, type, torch.Generator)
 _MAX_DEPTH = 8
-# torch 2.13 renamed the private ``_is_leaf``; 2.11 has only the old name.
-_is_leaf = getattr(pytree, "tree_is_leaf", None) or pytree._is_leaf
+# The 2.11/2.13 pytree-leaf name shim lives in core/compat.py.
+_is_leaf = compat.tree_is_leaf
 
 
 class OpaqueValueError(TypeError):
