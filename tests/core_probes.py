@@ -183,6 +183,9 @@ def error_messages() -> dict[str, str]:
     shard_model(peer_model)
     capture("nested", lambda: peer_model(torch.randn(2, 8)))
     capture("tied_across_units", lambda: shard_model(_TiedAcrossUnits()))
+    shared = tiny_llama()
+    shared.layers[1].attention.wq = shared.layers[0].attention.wq
+    capture("module_shared_by_units", lambda: shard_model(shared))
 
     frozen = tiny_llama()
     frozen.requires_grad_(False)

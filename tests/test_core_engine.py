@@ -274,6 +274,14 @@ def test_tied_error_names_both_parameters() -> None:
     assert "layers.1.weight" in message and "head.weight" in message
 
 
+def test_a_module_shared_by_two_units_is_refused_naming_both() -> None:
+    message = probe("error_messages", world_size=1)["module_shared_by_units"]
+    assert message.startswith("ValueError: module 'layers.1.attention.wq' is the same object"), (
+        message
+    )
+    assert "unit 'layers.0'" in message and "copy.deepcopy" in message
+
+
 def test_wrong_backend_for_the_device_is_rejected() -> None:
     from lightning_yafsdp.core.sharding import check_backend
 

@@ -429,11 +429,32 @@ def _refuse_hidden_aliases(root: nn.Module, specs: list[GroupSpec]) -> None:
 # -- which parameter joins which group ----------------------------------------------
 
 
-def _assign_params(root, unit_modules, norm_classes):
+def _units_of_modules(unit_modules) -> dict[int, int]:
+    """Map ``id(submodule)`` to the index of the one unit it belongs to.
+
+    A submodule object reachable from two units (``blocks[2].fc1 = blocks[0].fc1``)
+    would have its parameters in one unit's buffer while the other unit's forward uses
+    them too: refused here, naming both units, instead of failing mid-forward.
+    """
     unit_of_module: dict[int, int] = {}
-    for index, (_, unit_module) in enumerate(unit_modules):
-        for sub in unit_module.modules():
-            unit_of_module[id(sub)] = index
+    for index, (unit_name, unit_module) in enumerate(unit_modules):
+        for sub_name, sub in unit_module.named_modules(remove_duplicate=False):
+            earlier = unit_of_module.setdefault(id(sub), index)
+            if earlier != index and any(True for _ in sub.parameters()):
+                first = unit_modules[earlier][0]
+                where = f"{unit_name}.{sub_name}" if sub_name else unit_name
+                raise ValueError(
+                    f"module '{where}' is the same object as a module of unit '{first}': "
+                    "one module shared by two sharded units cannot live in both units' "
+                    "buffers. Give each unit its own copy (copy.deepcopy), or list the "
+                    "sharing modules as one unit (layers=[...]) so the shared module "
+                    "belongs to one unit only."
+                )
+    return unit_of_module
+
+
+def _assign_params(root, unit_modules, norm_classes):
+    unit_of_module = _units_of_modules(unit_modules)
     owners_of: dict[int, list[ParamOwner]] = defaultdict(list)
     params: dict[int, nn.Parameter] = {}
     for module_name, sub in root.named_modules(remove_duplicate=False):
