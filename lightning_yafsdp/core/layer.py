@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_yafsdp.core.autograd import GateGradFlow, PreBackwardGate
 from lightning_yafsdp.core.collectives import WorkList, all_gather_into
+from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.flat_group import FlatParamGroup
 from lightning_yafsdp.core.placeholder import UngatheredWeight
 from lightning_yafsdp.core.tensor_tree import map_tensors, tensors_in
@@ -88,8 +89,12 @@ class ShardedUnit(FlatParamGroup):
         self._hooks = []
         for module in modules:
             self._hooks += [
-                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-                module.register_forward_hook(self._post_forward, always_call=True),
+                module.register_forward_pre_hook(
+                    outside_compile(self._pre_forward), with_kwargs=True
+                ),
+                module.register_forward_hook(
+                    outside_compile(self._post_forward), always_call=True
+                ),
             ]
         self._original_forward = None
         self._placeholders: list | None = None  # root units: built at first use

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch._guards
 import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
@@ -404,6 +405,9 @@ def _global_reduction(func, tensor: ShardedTensor, kwargs: dict) -> torch.Tensor
 def _refusal(func, args) -> str:
     names = [a._placement.name for a in pytree.tree_leaves(args) if isinstance(a, ShardedTensor)]
     what = names[0] if names else "a sharded parameter"
+    compiling = _compile_refusal(what)
+    if compiling is not None:
+        return compiling
     return (
         f"{func} on the sharded parameter {what!r}: outside its unit's forward it holds only "
         "this rank's elements, so only elementwise ops and norms work on it. Use the "
@@ -413,7 +417,23 @@ def _refusal(func, args) -> str:
     )
 
 
+def _compile_refusal(name: str) -> str | None:
+    """The refusal for a sharded parameter met while torch.compile traces, else None."""
+    if torch._guards.TracingContext.try_get() is None and not torch.compiler.is_compiling():
+        return None
+    return (
+        f"torch.compile traced the sharded parameter {name!r} outside its unit's forward: "
+        "it holds this rank's elements only, and the engine's hooks that gather it run "
+        "outside compiled graphs. Compile each block (`block.compile()` on every unit's "
+        "module in configure_model) or the whole model, and keep reads of parameters out "
+        "of compiled code that runs outside the units."
+    )
+
+
 def _raw_memory_refusal(tensor: ShardedTensor) -> str:
+    compiling = _compile_refusal(tensor._placement.name)
+    if compiling is not None:
+        return compiling
     return (
         f"the memory of the sharded parameter {tensor._placement.name!r} was read directly "
         "(a file writer such as safetensors or peft's save_pretrained, or data_ptr()): it "

@@ -21,6 +21,7 @@ from torch.distributed import ProcessGroup
 
 from lightning_yafsdp.core.buffers import GatherStaging
 from lightning_yafsdp.core.collectives import CommStats, broadcast_, check_reduce_dtype
+from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.engine import YaFSDPEngine
 from lightning_yafsdp.core.flat_group import ParamOwner
 from lightning_yafsdp.core.grads import ShardGrads
@@ -599,7 +600,6 @@ def _group_kwargs(spec, layout, engine, which, offset) -> dict:
 
 
 def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
-    hooked: set[int] = set()
     for group in engine.groups():
         group.make_sharded_params(engine.shard_rank, engine.shard_group)
         group.make_frozen_params(engine.shard_rank, engine.shard_group)
@@ -624,13 +624,21 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
         for owner in owners
         for prefix in _module_path_prefixes(owner.name)
     ]
+    # Inside a block the block's own pre-forward has run begin_forward already; a hook
+    # there would only break a compiled block's graph ([Note: engine hooks under compile]).
+    hooked = {
+        id(sub)
+        for unit in engine.units
+        if unit.is_block
+        for m in unit.modules
+        for sub in m.modules()
+    }
+    begin_forward = outside_compile(lambda *_: engine.begin_forward())
     for owner_module in owner_modules:
         if id(owner_module) in hooked:
             continue
         hooked.add(id(owner_module))
-        engine._hooks.append(
-            owner_module.register_forward_pre_hook(lambda *_: engine.begin_forward())
-        )
+        engine._hooks.append(owner_module.register_forward_pre_hook(begin_forward))
     module.__dict__["_yafsdp_engine"] = engine
 
 
