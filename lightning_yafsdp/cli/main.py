@@ -227,8 +227,11 @@ def _train_in_scope(options: argparse.Namespace) -> int:
             f"{config.trainer.max_steps}: nothing to train; raise trainer.max_steps to continue"
         )
     if options.check:
+        from lightning_yafsdp.training.runner import schedule_steps_for
+
         if is_rank_zero():
-            for line in [*notices, *start.notes]:
+            schedule_warning = schedule_steps_for(config, start)[1]
+            for line in [*notices, *start.notes, *filter(None, [schedule_warning])]:
                 print(line, file=sys.stderr)
             print(f"yafsdp train --check: {config.recipe} in {run_dir}: {start.describe()}")
         return 0

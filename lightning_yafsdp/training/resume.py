@@ -45,12 +45,15 @@ class RunStart:
             (None when the checkpoint does not say, e.g. one not written by
             ``yafsdp train``).
         notes: What the choice passed over (damaged checkpoints), for the panel.
+        schedule_steps: The LR schedule length the checkpoint was trained with (None
+            when fresh or not recorded).
     """
 
     checkpoint: Path | None = None
     step: int = 0
     tokens: int | None = None
     notes: tuple[str, ...] = ()
+    schedule_steps: int | None = None
 
     def describe(self) -> str:
         """One line for the startup panel."""
@@ -246,7 +249,12 @@ def _read_start(path: Path) -> RunStart:
         raise
     except (CheckpointError, OSError, RuntimeError, EOFError) as err:
         raise ConfigError(f"cannot resume from {path}: {err}") from err
-    return RunStart(checkpoint=path, step=int(info.get("step") or 0), tokens=history.get("tokens"))
+    return RunStart(
+        checkpoint=path,
+        step=int(info.get("step") or 0),
+        tokens=history.get("tokens"),
+        schedule_steps=history.get("schedule_steps"),
+    )
 
 
 def _run_history(path: Path) -> dict[str, Any]:
