@@ -215,16 +215,27 @@ class ScheduleConfig:
         warmup_steps: Linear warm-up from 0 to ``optim.lr``.
         decay: ``"cosine"``, ``"linear"`` or ``"constant"`` after warm-up.
         min_lr_ratio: Final LR as a fraction of ``optim.lr``.
+        total_steps: Optimizer steps the warm-up and decay span (the LR stays at the
+            floor after them). None: ``trainer.max_steps`` of a fresh run; a resumed run
+            keeps the length its checkpoint was trained with (raising
+            ``trainer.max_steps`` on a resume does not re-stretch the decay; set this
+            to re-stretch it).
     """
 
     warmup_steps: int = 30
     decay: str = "cosine"
     min_lr_ratio: float = 0.1
+    total_steps: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("schedule", "decay", self.decay, ("cosine", "linear", "constant"))
         if self.warmup_steps < 0 or not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError("schedule.warmup_steps must be >= 0, min_lr_ratio in [0, 1]")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ConfigError(
+                f"schedule.total_steps={self.total_steps} must be >= 1 (or null: "
+                "trainer.max_steps)"
+            )
 
 
 @dataclass

@@ -143,6 +143,32 @@ def test_print_config_shows_the_resolved_config(capsys) -> None:
     assert "lr: 0.001" in out and "seq_len: 64" in out and "recipe: tiny-cpu" in out
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [["data.source=bin", "data.path=missing.bin"], ["strategy.shard_size=3"]],
+    ids=["missing-data", "shard-size"],
+)
+def test_an_input_error_is_the_only_thing_printed(overrides, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *overrides, "trainer.run_name=x"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, out[:300] + err  # no YAML above it
+
+
+def test_check_runs_the_input_checks_and_says_how_the_run_would_start(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--check", "data.source=bin", "data.path=missing.bin"]) == 2
+    assert "data.path='missing.bin' does not exist" in capsys.readouterr().err
+    assert main(["train", "--check", "trainer.run_name=r", "--resume", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("yafsdp train --check: tiny-cpu in runs/r: fresh run"), out
+    assert main(["train", "--check", "trainer.run_name=r", "--resume"]) == 2  # not auto
+    assert "no checkpoint to resume" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing written
+
+
 def test_estimate_prints_memory_and_traffic(capsys) -> None:
     assert main(["estimate", "--json", "trainer.devices=2"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -64,10 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=textwrap.fill(
             "Train with a recipe (default: the embedded tiny-cpu recipe: a tiny Llama on "
             "the Python standard library's sources, byte-level, 2 CPU processes, about two "
-            "and a half minutes on 2 cores). The resolved config is printed and saved as "
-            "config.yaml in the run folder (trainer.output_dir/run_name), next to "
-            "logs/metrics.csv, metrics.png, checkpoints/ and summary.json. A stopped run "
-            "continues with: yafsdp train runs/NAME/config.yaml --resume",
+            "and a half minutes on 2 cores). The resolved config is saved as "
+            "config.yaml in the run folder (trainer.output_dir/run_name; --print-config "
+            "prints it), next to logs/metrics.csv, metrics.png, checkpoints/ and "
+            "summary.json. A stopped run continues with: yafsdp train "
+            "runs/NAME/config.yaml --resume",
             width=88,
         ),
         epilog=render_config_keys(),
@@ -85,10 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="continue the run from its newest checkpoint, or from the checkpoint PATH "
         "(without a recipe, the config.yaml of the run PATH belongs to is used); an error "
-        "if there is nothing to resume",
+        "if there is nothing to resume. --resume auto: the newest checkpoint if the run "
+        "has one, a fresh start otherwise (what a SLURM requeue wants)",
     )
     train.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
+    )
+    train.add_argument(
+        "--check",
+        action="store_true",
+        help="check the recipe and what it points at (model dir, data, tokenizer, devices, "
+        "output dir, the checkpoint --resume would take), print how the run would start, "
+        "and exit: no process starts, nothing is written",
     )
     train.add_argument("--quiet", action="store_true", help="no startup panel or summary")
 
@@ -206,6 +215,9 @@ def _train_in_scope(options: argparse.Namespace) -> int:
     if options.print_config:
         print(to_yaml(config), end="")
         return 0
+    from lightning_yafsdp.training.preflight import check_inputs
+
+    notices = check_inputs(config, training=True)  # one line, before anything is printed
     run_dir = run_dir_of(config)
     config.trainer.run_name = run_dir.name  # decided once: printed, saved, resumable
     start = plan_start(run_dir, resume)
@@ -214,11 +226,17 @@ def _train_in_scope(options: argparse.Namespace) -> int:
             f"{start.checkpoint} is at step {start.step}, and trainer.max_steps="
             f"{config.trainer.max_steps}: nothing to train; raise trainer.max_steps to continue"
         )
-    if is_rank_zero() and not options.quiet:
-        from rich.console import Console
-        from rich.syntax import Syntax
+    if options.check:
+        from lightning_yafsdp.training.runner import schedule_steps_for
 
-        Console().print(Syntax(to_yaml(config), "yaml", theme="ansi_dark"))
+        if is_rank_zero():
+            schedule_warning = schedule_steps_for(config, start)[1]
+            for line in [*notices, *start.notes, *filter(None, [schedule_warning])]:
+                print(line, file=sys.stderr)
+            print(f"yafsdp train --check: {config.recipe} in {run_dir}: {start.describe()}")
+        return 0
+    # The resolved config is not printed here (it would bury the run's first lines):
+    # --print-config shows it, and the run folder keeps it as config.yaml.
     facts = train(config, start=start, show=not options.quiet)
     return 0 if facts["steps"] > 0 else 1
 
@@ -231,7 +249,7 @@ def _train_config(options: argparse.Namespace) -> tuple[RunConfig, str | None]:
     ``trainer.output_dir``).
     """
     from lightning_yafsdp.config import ConfigError, load_config
-    from lightning_yafsdp.training.resume import LATEST, interpret_resume
+    from lightning_yafsdp.training.resume import AUTO, LATEST, interpret_resume
     from lightning_yafsdp.training.runner import is_rank_zero
 
     recipe, overrides = _split_recipe(options.args)
@@ -245,7 +263,7 @@ def _train_config(options: argparse.Namespace) -> tuple[RunConfig, str | None]:
     if home is not None and not renamed:
         config.trainer.output_dir, config.trainer.run_name = str(home.parent), home.name
     named = config.trainer.run_name or os.environ.get("SLURM_JOB_ID")
-    if resume == LATEST and not named and is_rank_zero():
+    if resume in (LATEST, AUTO) and not named and is_rank_zero():
         raise ConfigError(
             "--resume continues a named run: give its config (yafsdp train "
             "runs/NAME/config.yaml --resume), trainer.run_name=NAME, or a checkpoint "

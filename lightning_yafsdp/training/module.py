@@ -37,10 +37,13 @@ class RunHistory:
     Attributes:
         tokens: Tokens trained on, all ranks together.
         first_train_loss: The loss of the run's first step (None before any).
+        schedule_steps: The LR schedule's length (None in checkpoints written before
+            it was recorded); see [Note: the LR schedule across a resume].
     """
 
     tokens: int = 0
     first_train_loss: float | None = None
+    schedule_steps: int | None = None
 
 
 class CausalLMModule(pl.LightningModule):
@@ -48,6 +51,8 @@ class CausalLMModule(pl.LightningModule):
 
     Args:
         config: The resolved recipe.
+        schedule_steps: The LR schedule's length (default: ``schedule.total_steps``,
+            else ``trainer.max_steps``); a resume passes the one it keeps.
 
     Attributes recorded for the final summary (plain Python, rank-local):
         train_losses: ``(step, loss averaged over ranks and the step's micro-batches)``
@@ -59,9 +64,12 @@ class CausalLMModule(pl.LightningModule):
         guard: The divergence guard (None when off).
     """
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, *, schedule_steps: int | None = None) -> None:
         super().__init__()
         self.config = config
+        self.schedule_steps = schedule_steps or config.schedule.total_steps or (
+            config.trainer.max_steps
+        )
         self.model: nn.Module | None = None
         practices = config.practices
         self.curriculum = (
@@ -234,7 +242,7 @@ class CausalLMModule(pl.LightningModule):
             optimizer,
             lr_lambda(
                 warmup_steps=schedule.warmup_steps,
-                total_steps=self.config.trainer.max_steps,
+                total_steps=self.schedule_steps,
                 decay=schedule.decay,
                 min_ratio=schedule.min_lr_ratio,
             ),
@@ -262,6 +270,7 @@ class CausalLMModule(pl.LightningModule):
         return RunHistory(
             tokens=self.earlier.tokens + self.tokens_seen * self.trainer.world_size,
             first_train_loss=first,
+            schedule_steps=self.schedule_steps,
         )
 
     def final_train_loss(self, last: int = 10) -> float:

@@ -2,14 +2,15 @@
 
 [Note: resuming a run] A run is its folder, ``output_dir/run_name``: config.yaml,
 logs/metrics.csv, checkpoints/. ``--resume`` continues the run from its newest
-checkpoint, ``--resume PATH`` from a given one; without the flag a run folder that
-already holds checkpoints or metrics is refused rather than silently continued or
-overwritten. The decision is made once, by the process that becomes rank 0 before
-any rank starts, and handed to the ranks Lightning's launcher starts through
-``YAFSDP_RESUME_FROM`` (as the run name is through ``YAFSDP_RUN_NAME``): by the
-time they run, rank 0 may have written files that would change the answer. Under
-SLURM or torchrun every rank decides alone, from the same files; only rank 0
-refuses.
+checkpoint, ``--resume PATH`` from a given one, ``--resume auto`` from the newest
+checkpoint if there is one and fresh otherwise (a SLURM requeue before the first
+save); without the flag a run folder that already holds checkpoints or metrics is
+refused rather than silently continued or overwritten. The decision is made once,
+by the process that becomes rank 0 before any rank starts, and handed to the
+ranks Lightning's launcher starts through ``YAFSDP_RESUME_FROM`` (as the run name
+is through ``YAFSDP_RUN_NAME``): by the time they run, rank 0 may have written
+files that would change the answer. Under SLURM or torchrun every rank decides
+alone, from the same files; only rank 0 refuses.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from lightning_yafsdp.config import ConfigError
 RESUME_ENV = "YAFSDP_RESUME_FROM"
 # The value of ``--resume`` given without a path: the run's newest checkpoint.
 LATEST = "latest"
+# ``--resume auto``: the newest checkpoint if the run has one, else a fresh start.
+AUTO = "auto"
 
 _CHECKPOINT_GLOBS = ("checkpoints/*.ckpt", "hpc_ckpt_*.ckpt")
 _METRICS = "logs/metrics.csv"
@@ -42,12 +45,15 @@ class RunStart:
             (None when the checkpoint does not say, e.g. one not written by
             ``yafsdp train``).
         notes: What the choice passed over (damaged checkpoints), for the panel.
+        schedule_steps: The LR schedule length the checkpoint was trained with (None
+            when fresh or not recorded).
     """
 
     checkpoint: Path | None = None
     step: int = 0
     tokens: int | None = None
     notes: tuple[str, ...] = ()
+    schedule_steps: int | None = None
 
     def describe(self) -> str:
         """One line for the startup panel."""
@@ -104,7 +110,7 @@ def interpret_resume(
         ConfigError: two recipes, or a checkpoint outside any run folder and no recipe
             (which recipe trained it is unknown).
     """
-    if resume not in (None, LATEST):
+    if resume not in (None, LATEST, AUTO):
         path = Path(resume)
         if "=" in resume and not path.exists():
             return interpret_resume(recipe, [*overrides, resume], LATEST)
@@ -115,7 +121,7 @@ def interpret_resume(
                 raise ConfigError(f"two recipes given: {recipe!r} and --resume {resume!r}")
             config_file = path if path.suffix in (".yaml", ".yml") else path / "config.yaml"
             return interpret_resume(str(config_file), overrides, LATEST)
-    if recipe is None and resume not in (None, LATEST):
+    if recipe is None and resume not in (None, LATEST, AUTO):
         home = run_home_of(Path(resume))
         if home is None:
             raise ConfigError(
@@ -134,10 +140,11 @@ def plan_start(run_dir: Path, resume: str | None) -> RunStart:
 
     Args:
         run_dir: The run's folder.
-        resume: None (no ``--resume``), :data:`LATEST`, or a checkpoint path.
+        resume: None (no ``--resume``), :data:`LATEST`, :data:`AUTO`, or a checkpoint
+            path.
 
     Raises:
-        ConfigError: ``--resume`` finds no checkpoint, the path does not exist or is
+        ConfigError: ``--resume`` (not ``auto``) finds no checkpoint, the path does not exist or is
             not a checkpoint, or (without ``--resume``) the run folder already holds
             a run.
         DamagedCheckpointError: the checkpoint has a missing or truncated file.
@@ -152,9 +159,16 @@ def plan_start(run_dir: Path, resume: str | None) -> RunStart:
         if rank_zero:
             _refuse_existing_run(run_dir)
         start = RunStart()
+    elif resume == AUTO and not _checkpoints_in(run_dir):
+        # Metrics a killed first attempt left are moved aside whole by the logger.
+        start = RunStart(notes=(f"--resume auto: no checkpoint in {run_dir} yet",))
     else:
-        start = _latest_checkpoint(run_dir) if resume == LATEST else _given(Path(resume))
+        start = _latest_checkpoint(run_dir) if resume in (LATEST, AUTO) else _given(Path(resume))
     return start
+
+
+def _checkpoints_in(run_dir: Path) -> list[Path]:
+    return [p for pattern in _CHECKPOINT_GLOBS for p in run_dir.glob(pattern)]
 
 
 def _given(path: Path) -> RunStart:
@@ -185,12 +199,13 @@ def _latest_checkpoint(run_dir: Path) -> RunStart:
     """The run's checkpoint written last that is intact (damaged ones are noted)."""
     from lightning_yafsdp.checkpoint import DamagedCheckpointError
 
-    candidates = [p for pattern in _CHECKPOINT_GLOBS for p in run_dir.glob(pattern)]
+    candidates = _checkpoints_in(run_dir)
     if not candidates:
         looked = " and ".join(str(run_dir / pattern) for pattern in _CHECKPOINT_GLOBS)
         raise ConfigError(
             f"--resume: no checkpoint to resume in run folder {run_dir} (looked for "
-            f"{looked}); give one with --resume PATH, or drop --resume to start a fresh run"
+            f"{looked}); give one with --resume PATH, or use --resume auto (fresh when "
+            "there is none), or drop --resume to start a fresh run"
         )
     # Written last, not most trained: after a resume from a middle checkpoint the later
     # checkpoints of the abandoned segment are not the run any more. On equal times
@@ -234,7 +249,12 @@ def _read_start(path: Path) -> RunStart:
         raise
     except (CheckpointError, OSError, RuntimeError, EOFError) as err:
         raise ConfigError(f"cannot resume from {path}: {err}") from err
-    return RunStart(checkpoint=path, step=int(info.get("step") or 0), tokens=history.get("tokens"))
+    return RunStart(
+        checkpoint=path,
+        step=int(info.get("step") or 0),
+        tokens=history.get("tokens"),
+        schedule_steps=history.get("schedule_steps"),
+    )
 
 
 def _run_history(path: Path) -> dict[str, Any]:

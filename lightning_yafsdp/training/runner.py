@@ -202,7 +202,11 @@ def _train(
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     est = estimate(config)
     data = _prepared_data(config)
-    model = CausalLMModule(config)
+    schedule_steps, schedule_warning = schedule_steps_for(config, start)
+    if schedule_warning and rank_zero:
+        print(schedule_warning, file=sys.stderr, flush=True)  # also in the panel
+        notices = [*notices, schedule_warning]
+    model = CausalLMModule(config, schedule_steps=schedule_steps)
     _check_vocab(config, data, est)
     trainer = build_trainer(
         config,
@@ -230,6 +234,23 @@ def _train(
                 console.summary_table(_display(facts), [loss for _, loss in model.train_losses])
             )
     return facts
+
+
+def schedule_steps_for(config: RunConfig, start: RunStart) -> tuple[int, str | None]:
+    """[Note: the LR schedule across a resume] applied to this run."""
+    from lightning_yafsdp.training.schedule import schedule_steps_of
+
+    schedule = config.schedule
+    return schedule_steps_of(
+        warmup_steps=schedule.warmup_steps,
+        decay=schedule.decay,
+        min_ratio=schedule.min_lr_ratio,
+        lr=config.optim.lr,
+        max_steps=config.trainer.max_steps,
+        total_steps=schedule.total_steps,
+        resumed_step=start.step if start.checkpoint is not None else None,
+        resumed_length=start.schedule_steps,
+    )
 
 
 def _fit(
