@@ -624,9 +624,10 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
         for owner in owners
         for prefix in _module_path_prefixes(owner.name)
     ]
-    # Inside a block the block's own pre-forward has run begin_forward already; a hook
-    # there would only break a compiled block's graph ([Note: engine hooks under compile]).
-    hooked = {
+    # Inside a compiled block the block's own pre-forward (run eagerly) has called
+    # begin_forward already: there the hook is skipped while Dynamo traces, so it adds no
+    # graph break; run eagerly it works as everywhere ([Note: engine hooks under compile]).
+    in_blocks = {
         id(sub)
         for unit in engine.units
         if unit.is_block
@@ -634,11 +635,18 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
         for sub in m.modules()
     }
     begin_forward = outside_compile(lambda *_: engine.begin_forward())
+
+    def begin_forward_unless_traced(*_):
+        if not torch.compiler.is_compiling():
+            begin_forward()
+
+    hooked: set[int] = set()
     for owner_module in owner_modules:
         if id(owner_module) in hooked:
             continue
         hooked.add(id(owner_module))
-        engine._hooks.append(owner_module.register_forward_pre_hook(begin_forward))
+        hook = begin_forward_unless_traced if id(owner_module) in in_blocks else begin_forward
+        engine._hooks.append(owner_module.register_forward_pre_hook(hook))
     module.__dict__["_yafsdp_engine"] = engine
 
 
