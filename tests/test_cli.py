@@ -169,6 +169,22 @@ def test_check_runs_the_input_checks_and_says_how_the_run_would_start(
     assert not (tmp_path / "runs").exists()  # nothing written
 
 
+def test_more_cpu_ranks_than_cores_is_said_on_stderr_even_with_quiet(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x" / "logs").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "logs" / "metrics.csv").write_text("step\n0\n")
+    # The run itself is refused (its folder is in use) right after the input checks:
+    # no rank is started, whatever the core count.
+    args = ["train", f"trainer.devices={cores + 1}", "trainer.run_name=x", "--quiet"]
+    assert main(args) == 2
+    first, refusal = capsys.readouterr().err.splitlines()
+    assert f"{cores + 1} CPU ranks on {cores} usable core(s)" in first
+    assert f"trainer.devices={cores} or fewer" in first and "already holds a run" in refusal
+
+
 def test_estimate_prints_memory_and_traffic(capsys) -> None:
     assert main(["estimate", "--json", "trainer.devices=2"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -218,6 +218,9 @@ def _train_in_scope(options: argparse.Namespace) -> int:
     from lightning_yafsdp.training.preflight import check_inputs
 
     notices = check_inputs(config, training=True)  # one line, before anything is printed
+    if is_rank_zero():
+        for notice in notices:  # e.g. more CPU ranks than cores: said with --quiet too
+            print(f"yafsdp train: {notice}", file=sys.stderr, flush=True)
     run_dir = run_dir_of(config)
     config.trainer.run_name = run_dir.name  # decided once: printed, saved, resumable
     start = plan_start(run_dir, resume)
@@ -231,7 +234,7 @@ def _train_in_scope(options: argparse.Namespace) -> int:
 
         if is_rank_zero():
             schedule_warning = schedule_steps_for(config, start)[1]
-            for line in [*notices, *start.notes, *filter(None, [schedule_warning])]:
+            for line in [*start.notes, *filter(None, [schedule_warning])]:
                 print(line, file=sys.stderr)
             print(f"yafsdp train --check: {config.recipe} in {run_dir}: {start.describe()}")
         return 0
