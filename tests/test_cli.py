@@ -118,6 +118,26 @@ def test_value_out_of_range_is_an_error() -> None:
         load_config(None, ["trainer.precision=16-mixed"])
 
 
+@pytest.mark.parametrize(("given", "meant"), [("bf16", "bf16-mixed"), ("32", "32-true")])
+def test_lightnings_precision_aliases_are_accepted_and_written_out(given, meant) -> None:
+    assert load_config(None, [f"trainer.precision={given}"]).trainer.precision == meant
+
+
+def test_our_precision_aliases_are_lightnings() -> None:
+    from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION
+
+    from lightning_yafsdp.config import PRECISION_ALIASES
+
+    assert PRECISION_ALIASES == {
+        str(k): v for k, v in _PRECISION_INPUT_STR_ALIAS_CONVERSION.items()
+    }
+
+
+def test_a_precision_recipes_do_not_support_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"'16-mixed' is not one of .* aliases '32', 'bf16'"):
+        load_config(None, ["trainer.precision=16"])
+
+
 def test_override_without_equals_is_an_error() -> None:
     with pytest.raises(ConfigError, match="not of the form key=value"):
         load_config(None, ["optim.lr"])
