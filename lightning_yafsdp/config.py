@@ -55,6 +55,13 @@ def _check_choice(section: str, name: str, value: Any, choices: Sequence[Any]) -
         )
 
 
+# Lightning's short precision spellings (``_PRECISION_INPUT_STR_ALIAS_CONVERSION`` in
+# lightning.fabric.connector; a test checks they agree), kept here so that reading a
+# recipe does not import Lightning.
+PRECISION_ALIASES = {"32": "32-true", "bf16": "bf16-mixed", "16": "16-mixed", "64": "64-true"}
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+
+
 def _check_positive(section: str, **values: Any) -> None:
     for name, value in values.items():
         if value is not None and value <= 0:
@@ -247,7 +254,9 @@ class TrainerConfig:
         devices: Processes per node: a count >= 1, ``"auto"`` or ``"-1"`` (every GPU;
             refused on CPU).
         num_nodes: Number of nodes (SLURM sets the rest).
-        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``; Lightning's
+            aliases ``32`` and ``bf16`` (= ``bf16-mixed``) are accepted and written
+            out in full.
         max_steps: Optimizer steps to run.
         accumulate_grad_batches: Micro-batches per optimizer step.
         val_check_interval: Validate every this many training batches.
@@ -279,9 +288,13 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check_choice("trainer", "accelerator", self.accelerator, ("cpu", "gpu", "cuda", "auto"))
-        _check_choice(
-            "trainer", "precision", self.precision, ("32-true", "bf16-mixed", "bf16-true")
-        )
+        self.precision = PRECISION_ALIASES.get(str(self.precision), self.precision)
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"trainer.precision={self.precision!r} is not one of "
+                f"{', '.join(map(repr, PRECISIONS))} (or Lightning's aliases '32', 'bf16'); "
+                "16-bit float (16-mixed, 16-true) and 64-true are not supported by recipes"
+            )
         _check_choice("trainer", "logger", self.logger, ("csv", "tensorboard", "none"))
         if not (self.devices == "auto" or self.devices.lstrip("-").isdigit()):
             raise ConfigError(f"trainer.devices must be an int or 'auto', got {self.devices!r}")

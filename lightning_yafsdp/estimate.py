@@ -49,6 +49,33 @@ from lightning_yafsdp.dtype_policy import DtypePolicy
 
 GiB = 1024**3
 
+_SIZE_UNITS = {
+    "b": 1,
+    **{f"{p}b": 1000 ** (i + 1) for i, p in enumerate("kmgt")},
+    **{f"{p}ib": 1024 ** (i + 1) for i, p in enumerate("kmgt")},
+}
+
+
+def parse_memory_size(text: str) -> int:
+    """``"80GB"`` -> 80e9 bytes, ``"80GiB"`` -> 80 x 2**30 (B, KB..TB, KiB..TiB).
+
+    Raises:
+        ValueError: no number, or no unit / an unknown one (one line, with examples).
+    """
+    stripped = text.strip().lower().replace(" ", "")
+    number = stripped.rstrip("kmgtib")
+    unit = stripped[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if value <= 0 or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"--device-memory {text!r} is not a size with a unit: write e.g. 80GB (80 x 10^9 "
+            "bytes) or 80GiB (80 x 2^30); units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
+        )
+    return int(value * _SIZE_UNITS[unit])
+
 
 @dataclass(frozen=True)
 class GroupSize:
@@ -157,6 +184,46 @@ class Estimate:
     @property
     def is_hybrid(self) -> bool:
         return self.shard_size < self.world_size
+
+
+def fit_verdict(est: Estimate, device_bytes: int, *, given: str) -> tuple[bool, str]:
+    """Whether the recipe's memory per rank fits a device, in one line.
+
+    Args:
+        est: The estimate.
+        device_bytes: The device's memory (``parse_memory_size``).
+        given: The size as the user wrote it (shown in the line).
+
+    Returns:
+        ``(fits, line)``; a line that does not fit names the cheapest fix the
+        estimate can see (checkpoint every block, or more ranks for the state).
+    """
+    device = f"{device_bytes / GiB:.1f} GiB (--device-memory {given})"
+    uncounted = "not counted: CUDA context, NCCL buffers, allocator fragmentation"
+    if est.total <= device_bytes:
+        left = device_bytes - est.total
+        return True, (
+            f"fits: {est.total / GiB:.1f} GiB per rank of {device}, {left / GiB:.1f} GiB "
+            f"({left / device_bytes:.0%}) left ({uncounted})"
+        )
+    line = (
+        f"does not fit: {est.total / GiB:.1f} GiB per rank exceeds {device} by "
+        f"{(est.total - device_bytes) / GiB:.1f} GiB"
+    )
+    all_checkpointed = est.states + est.activations(est.num_blocks)
+    if est.checkpointed_units < est.num_blocks and all_checkpointed <= device_bytes:
+        line += (
+            f"; with every block checkpointed (strategy.activation_checkpointing=all) it "
+            f"is {all_checkpointed / GiB:.1f} GiB, which fits"
+        )
+    elif est.states > device_bytes:
+        line += (
+            f"; the sharded state and buffers alone are {est.states / GiB:.1f} GiB: shard "
+            "over more ranks (trainer.devices x trainer.num_nodes, strategy.shard_size)"
+        )
+    else:
+        line += "; checkpoint more blocks, or shrink data.batch_size / data.seq_len"
+    return False, line
 
 
 def group_sizes(

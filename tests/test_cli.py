@@ -118,6 +118,26 @@ def test_value_out_of_range_is_an_error() -> None:
         load_config(None, ["trainer.precision=16-mixed"])
 
 
+@pytest.mark.parametrize(("given", "meant"), [("bf16", "bf16-mixed"), ("32", "32-true")])
+def test_lightnings_precision_aliases_are_accepted_and_written_out(given, meant) -> None:
+    assert load_config(None, [f"trainer.precision={given}"]).trainer.precision == meant
+
+
+def test_our_precision_aliases_are_lightnings() -> None:
+    from lightning.fabric.connector import _PRECISION_INPUT_STR_ALIAS_CONVERSION
+
+    from lightning_yafsdp.config import PRECISION_ALIASES
+
+    assert PRECISION_ALIASES == {
+        str(k): v for k, v in _PRECISION_INPUT_STR_ALIAS_CONVERSION.items()
+    }
+
+
+def test_a_precision_recipes_do_not_support_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError, match=r"'16-mixed' is not one of .* aliases '32', 'bf16'"):
+        load_config(None, ["trainer.precision=16"])
+
+
 def test_override_without_equals_is_an_error() -> None:
     with pytest.raises(ConfigError, match="not of the form key=value"):
         load_config(None, ["optim.lr"])
@@ -167,6 +187,22 @@ def test_check_runs_the_input_checks_and_says_how_the_run_would_start(
     assert main(["train", "--check", "trainer.run_name=r", "--resume"]) == 2  # not auto
     assert "no checkpoint to resume" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()  # nothing written
+
+
+def test_more_cpu_ranks_than_cores_is_said_on_stderr_even_with_quiet(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "x" / "logs").mkdir(parents=True)
+    (tmp_path / "runs" / "x" / "logs" / "metrics.csv").write_text("step\n0\n")
+    # The run itself is refused (its folder is in use) right after the input checks:
+    # no rank is started, whatever the core count.
+    args = ["train", f"trainer.devices={cores + 1}", "trainer.run_name=x", "--quiet"]
+    assert main(args) == 2
+    first, refusal = capsys.readouterr().err.splitlines()
+    assert f"{cores + 1} CPU ranks on {cores} usable core(s)" in first
+    assert f"trainer.devices={cores} or fewer" in first and "already holds a run" in refusal
 
 
 def test_estimate_prints_memory_and_traffic(capsys) -> None:

@@ -107,6 +107,26 @@ def test_hf_export_of_the_builtin_llama_is_the_same_model_under_from_pretrained(
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)  # measured: 0
 
 
+def test_hf_export_holds_the_byte_tokenizer_the_run_trained_with(hf_dir) -> None:
+    from lightning_yafsdp.data.tokenizer import ByteTokenizer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    text = "def f(x):\n    return 'héllo ✓ 日本'  \n\n\tx"
+    ids = tokenizer.encode(text)
+    assert ids == ByteTokenizer().encode_documents([text]).tolist()  # id = UTF-8 byte
+    assert tokenizer.decode(ids) == text and len(tokenizer) == 256
+
+
+def test_a_checkpoint_without_its_run_config_gets_no_tokenizer_and_is_told_why(
+    tmp_path,
+) -> None:
+    from lightning_yafsdp.checkpoint.hf_export import write_tokenizer
+
+    line = write_tokenizer(tmp_path, None)
+    assert line.startswith("no tokenizer written") and "--run-config" in line
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_given_hf_config_is_written_when_it_describes_the_trained_model(
     checkpoint, hf_dir, tmp_path
 ) -> None:

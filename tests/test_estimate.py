@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -206,3 +208,48 @@ def test_lora_on_a_frozen_70b_base_keeps_no_state_for_the_base() -> None:
     # activations (1.3 GB each by the estimate's count of a Llama block's saved tensors).
     fits = [k for k in range(81) if est.states + est.activations(k) <= 80 * GB]
     assert fits[0] == 45
+
+
+# -- the command's table and the fits line ------------------------------------------------------
+
+
+def test_device_memory_sizes_need_a_unit_and_tell_si_from_binary() -> None:
+    from lightning_yafsdp.estimate import parse_memory_size
+
+    assert parse_memory_size("80GB") == 80 * 10**9
+    assert parse_memory_size("80GiB") == 80 * 2**30
+    assert parse_memory_size("0.5 TiB") == 2**39
+    for ambiguous in ("80", "80G", "GB", "-1GB"):
+        with pytest.raises(ValueError, match="80GB .* or 80GiB"):
+            parse_memory_size(ambiguous)
+
+
+def test_the_table_gives_each_section_one_unit(capsys) -> None:
+    from lightning_yafsdp.cli.main import main
+
+    assert main(["estimate", "llama2-70b"]) == 0
+    out = capsys.readouterr().out
+    assert "TiB" not in out and " bytes " not in out  # was: 1017.5 GiB beside 1.0 TiB
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in out.splitlines()
+            if line.count("│") == 3}  # fmt: skip
+    assert rows["all_gather: gathered size"] == "1,017.5 GiB"
+    assert rows["reduce_scatter: unreduced size"] == "1,027.8 GiB"
+    assert rows["total (recipe)"] == "24.9 GiB" and rows["frozen shards"] == "0"
+    assert rows["compute shards (norms)"] == "< 0.1 GiB"  # 20 KiB, not printed as 0.0
+
+
+def test_device_memory_adds_a_fits_line_and_a_failing_status_when_it_does_not(capsys) -> None:
+    from lightning_yafsdp.cli.main import main
+
+    assert main(["estimate", "llama2-70b", "--device-memory", "80GB"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("fits: 24.9 GiB per rank of 74.5 GiB (--device-memory 80GB)")
+    no_ac = ["estimate", "llama2-70b", "strategy.activation_checkpointing=none"]
+    assert main([*no_ac, "--device-memory", "80GB"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does not fit: 124.8 GiB per rank exceeds 74.5 GiB")
+    assert "strategy.activation_checkpointing=all" in last
+    assert main([*no_ac, "--device-memory", "80GB", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
+    assert main(["estimate", "llama2-70b", "--device-memory", "80"]) == 2
+    assert "is not a size with a unit" in capsys.readouterr().err

@@ -322,3 +322,54 @@ def _tied_aliases(model: torch.nn.Module) -> dict[str, str]:
         else:
             first_name[id(parameter)] = name
     return aliases
+
+
+# -- the tokenizer ------------------------------------------------------------------------------
+
+
+def write_tokenizer(out_dir: Path, run_config: RunConfig | None) -> str:
+    """Write the run's tokenizer into a Hugging Face export; return a line saying what.
+
+    [Note: exported tokenizer] ``data.tokenizer: byte`` (UTF-8 bytes, token id = byte
+    value, vocab 256, no special tokens) becomes a ``tokenizers`` byte-level BPE with
+    no merges whose 256 tokens are the bytes in id order, so ``AutoTokenizer``
+    encodes and decodes exactly as training did. A local tokenizer directory is
+    loaded and saved again. A run whose config is unknown gets no tokenizer (which
+    one trained it cannot be known); the line says so and how to pass the config.
+    """
+    if run_config is None:
+        return (
+            "no tokenizer written: the run's config.yaml was not found beside the "
+            "checkpoint, so its data.tokenizer is unknown; pass --run-config FILE"
+        )
+    spec = run_config.data.tokenizer
+    tokenizer = _byte_tokenizer() if spec == "byte" else _local_tokenizer(spec)
+    tokenizer.save_pretrained(out_dir)
+    what = "the byte tokenizer (vocab 256)" if spec == "byte" else f"the tokenizer of {spec}"
+    return f"wrote {what} to {out_dir}: AutoTokenizer.from_pretrained({str(out_dir)!r})"
+
+
+def _byte_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    as_char = bytes_to_unicode()  # byte value -> the printable character BPE stores
+    vocab = {as_char[byte]: byte for byte in range(256)}
+    model = models.BPE(vocab=vocab, merges=[])
+    tokenizer = Tokenizer(model)
+    # No regex split and no prefix space: the text's bytes, one token each, in order.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, clean_up_tokenization_spaces=False)
+
+
+def _local_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise ExportError(
+            f"the run's data.tokenizer={path!r} is not a local directory here, so no "
+            "tokenizer can be written; run the export where it is, or copy it in"
+        )
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)

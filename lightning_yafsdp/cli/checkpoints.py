@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 # A LightningModule from `yafsdp train` holds the network as `self.model`.
 _TRAINING_MODULE_PREFIX = "model."
@@ -91,6 +93,8 @@ def run_export(options: argparse.Namespace) -> int:
     from lightning_yafsdp.checkpoint import CheckpointError, export_checkpoint, inspect_checkpoint
 
     try:
+        hf = bool(options.hf or options.hf_config)
+        run_config = _run_config_of(options) if hf else None
         prefix = options.strip_prefix
         if prefix is None:
             prefix = _default_prefix(inspect_checkpoint(options.checkpoint))
@@ -109,10 +113,30 @@ def run_export(options: argparse.Namespace) -> int:
         print(f"yafsdp export: {err}", file=sys.stderr)
         return 2
     print(f"wrote {path}")
-    if options.hf or options.hf_config:
+    if hf:
+        from lightning_yafsdp.checkpoint.hf_export import write_tokenizer
+
         out_dir = path.parent
         print(f"wrote {out_dir / 'config.json'}: from_pretrained({str(out_dir)!r}) loads it")
+        print(write_tokenizer(out_dir, run_config))
     return 0
+
+
+def _run_config_of(options: argparse.Namespace) -> Any:
+    """The run's config (None when unknown); a tokenizer directory it names that is
+    missing here is refused now, before the export writes anything."""
+    from lightning_yafsdp.checkpoint.export_dir import ExportError
+    from lightning_yafsdp.checkpoint.hf_export import find_run_config, load_run_config
+
+    path = options.run_config or find_run_config(options.checkpoint)
+    config = load_run_config(path) if path else None
+    tokenizer = config.data.tokenizer if config is not None else "byte"
+    if tokenizer != "byte" and not Path(tokenizer).is_dir():
+        raise ExportError(
+            f"the run's data.tokenizer={tokenizer!r} is not a local directory here, so the "
+            "export would have no tokenizer: run it where that directory is, or copy it there"
+        )
+    return config
 
 
 def run_inspect(options: argparse.Namespace) -> int:

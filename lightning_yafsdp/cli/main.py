@@ -113,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--world-size", type=int, default=None, help="ranks (default: devices x num_nodes)"
     )
+    est.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="a device's memory, e.g. 80GB or 141GB (10^9 bytes) or 80GiB (2^30): adds "
+        "a fits / does-not-fit line (exit status 1 when it does not fit)",
+    )
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     prep = commands.add_parser(
@@ -218,6 +225,9 @@ def _train_in_scope(options: argparse.Namespace) -> int:
     from lightning_yafsdp.training.preflight import check_inputs
 
     notices = check_inputs(config, training=True)  # one line, before anything is printed
+    if is_rank_zero():
+        for notice in notices:  # e.g. more CPU ranks than cores: said with --quiet too
+            print(f"yafsdp train: {notice}", file=sys.stderr, flush=True)
     run_dir = run_dir_of(config)
     config.trainer.run_name = run_dir.name  # decided once: printed, saved, resumable
     start = plan_start(run_dir, resume)
@@ -231,7 +241,7 @@ def _train_in_scope(options: argparse.Namespace) -> int:
 
         if is_rank_zero():
             schedule_warning = schedule_steps_for(config, start)[1]
-            for line in [*notices, *start.notes, *filter(None, [schedule_warning])]:
+            for line in [*start.notes, *filter(None, [schedule_warning])]:
                 print(line, file=sys.stderr)
             print(f"yafsdp train --check: {config.recipe} in {run_dir}: {start.describe()}")
         return 0
@@ -275,15 +285,26 @@ def _train_config(options: argparse.Namespace) -> tuple[RunConfig, str | None]:
 def _estimate(options: argparse.Namespace) -> int:
     import json
 
-    from lightning_yafsdp.config import load_config
-    from lightning_yafsdp.estimate import estimate
+    from lightning_yafsdp.config import ConfigError, load_config
+    from lightning_yafsdp.estimate import estimate, fit_verdict, parse_memory_size
     from lightning_yafsdp.training.console import estimate_table, print_rich
     from lightning_yafsdp.training.preflight import check_inputs
 
+    device_bytes = None
+    if options.device_memory is not None:
+        try:
+            device_bytes = parse_memory_size(options.device_memory)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     recipe, overrides = _split_recipe(options.args)
     config = load_config(recipe, overrides)
     check_inputs(config, training=False)  # a missing local model dir: one line, not the hub
     est = estimate(config, world_size=options.world_size)
+    fits, verdict = (
+        fit_verdict(est, device_bytes, given=options.device_memory)
+        if device_bytes is not None
+        else (True, None)
+    )
     if options.json:
         payload = {
             "world_size": est.world_size,
@@ -300,8 +321,10 @@ def _estimate(options: argparse.Namespace) -> int:
             "comm_per_step": est.comm_per_step,
             "notes": est.notes,
         }
+        if device_bytes is not None:
+            payload.update(device_memory=device_bytes, fits=fits, verdict=verdict)
         print(json.dumps(payload, indent=2))
-        return 0
+        return 0 if fits else 1
     hybrid = f" (shard groups of {est.shard_size})" if est.is_hybrid else ""
     title = (
         f"{config.recipe}: {est.num_parameters:,} parameters, {est.world_size} rank(s)"
@@ -310,7 +333,9 @@ def _estimate(options: argparse.Namespace) -> int:
     print_rich(estimate_table(est, title=title))
     for note in est.notes:
         print(f"note: {note}")
-    return 0
+    if verdict is not None:
+        print(verdict)
+    return 0 if fits else 1
 
 
 def _prepare(options: argparse.Namespace) -> int:

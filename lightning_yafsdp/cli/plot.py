@@ -14,15 +14,20 @@ def add_plot_command(commands: argparse._SubParsersAction) -> None:
     """
     plot = commands.add_parser(
         "plot",
-        help="draw a run's loss, learning rate and tokens/s as a PNG",
-        description="Draw the train and validation loss, the learning rate and tokens/s "
-        "against step from a run's logs/metrics.csv into a PNG (default: metrics.png in "
-        "the run directory; `yafsdp train` writes it at the end of a run) and print its "
-        "path. Works while the run is still training.",
+        help="draw a run's loss, learning rate and tokens/s (PNG, SVG, PDF)",
+        description="Draw the train and validation loss (with the unigram baseline of a "
+        "finished run's summary.json), the learning rate and tokens/s against step from "
+        "a run's logs/metrics.csv (default: metrics.png in the run directory; `yafsdp "
+        "train` writes it at the end of a run) and print its path. Works while the run "
+        "is still training.",
     )
     plot.add_argument("run", metavar="RUN", help="a run directory (runs/NAME) or its metrics.csv")
     plot.add_argument(
-        "--output", default=None, metavar="PATH", help="the PNG to write (default: RUN/metrics.png)"
+        "--output",
+        default=None,
+        metavar="PATH",
+        help="the file to write, in the format of its extension (.png, .svg, .pdf, .jpg; "
+        "default: RUN/metrics.png)",
     )
 
 

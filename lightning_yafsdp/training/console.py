@@ -46,11 +46,38 @@ def sparkline(values: Sequence[float], width: int = 48) -> str:
     return "".join(_SPARKS[min(7, int((v - low) / span * 7.999))] for v in means)
 
 
+_BINARY_UNITS = ("B", "KiB", "MiB", "GiB")
+
+
+def common_unit(values: Sequence[float]) -> tuple[str, int]:
+    """The binary unit (at most GiB) of the largest value: one unit for a whole column,
+    so rows compare at a glance (no 1017.5 GiB next to 1.0 TiB)."""
+    largest = max((abs(v) for v in values), default=0)
+    power = 0
+    while power < len(_BINARY_UNITS) - 1 and largest >= 1024 ** (power + 1):
+        power += 1
+    return _BINARY_UNITS[power], 1024**power
+
+
+def in_unit(value: float, unit: tuple[str, int]) -> str:
+    """``value`` bytes in ``unit`` (``common_unit``), one decimal; tiny non-zero values
+    say so instead of printing 0.0."""
+    name, scale = unit
+    if value == 0:
+        return "0"
+    if name == "B":
+        return f"{value:,.0f} B"
+    if 0 < value < 0.05 * scale:
+        return f"< 0.1 {name}"
+    return f"{value / scale:,.1f} {name}"
+
+
 def estimate_table(est: Estimate, *, title: str = "memory per rank") -> Table:
-    """Memory per rank by role and traffic per step, from ``yafsdp estimate``."""
+    """Memory per rank by role and collective sizes per step, from ``yafsdp estimate``."""
     table = Table(title=title, show_header=True, header_style="bold")
     table.add_column("what")
-    table.add_column("bytes", justify="right")
+    table.add_column("size", justify="right")
+    table.add_row("[bold]memory per rank[/bold]", "")
     rows = [
         ("master shards", est.master_shards),
         ("gradient shards", est.grad_shards),
@@ -67,17 +94,27 @@ def estimate_table(est: Estimate, *, title: str = "memory per rank") -> Table:
             f"activations, {est.checkpointed_units} block(s) checkpointed (recipe)",
             est.activations(est.checkpointed_units),
         ),
-        ("total (recipe)", est.total),
     ]
+    memory_unit = common_unit([est.total, *(value for _, value in rows)])
     for name, value in rows:
-        table.add_row(name, human_bytes(value))
+        table.add_row(name, in_unit(value, memory_unit))
+    table.add_section()
+    table.add_row("[bold]total (recipe)[/bold]", in_unit(est.total, memory_unit))
     comm = est.comm_per_step
-    table.add_row("all_gather per optimizer step", human_bytes(comm["all_gather"]))
-    table.add_row("reduce_scatter per optimizer step", human_bytes(comm["reduce_scatter"]))
+    traffic = [
+        ("all_gather: gathered size", comm["all_gather"]),
+        ("reduce_scatter: unreduced size", comm["reduce_scatter"]),
+    ]
     if "replicate_all_reduce" in comm:
-        table.add_row(
-            "replicate all_reduce per optimizer step", human_bytes(comm["replicate_all_reduce"])
-        )
+        traffic.append(("replicate all_reduce: size", comm["replicate_all_reduce"]))
+    table.add_section()
+    # Sizes of the tensors each rank's collectives gather / reduce (what CommStats
+    # counts), not link traffic: a ring moves (K-1)/K of them in and out per rank.
+    steps = f"per optimizer step ({est.micro_batches} micro-batch(es)), each rank"
+    table.add_row(f"[bold]collectives {steps}: tensor sizes[/bold]", "")
+    traffic_unit = common_unit([value for _, value in traffic])
+    for name, value in traffic:
+        table.add_row(name, in_unit(value, traffic_unit))
     return table
 
 

@@ -7,6 +7,8 @@ no global backend switch), from ``logs/metrics.csv`` (see ``metrics_log``).
 from __future__ import annotations
 
 import csv
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,10 @@ from typing import Any
 from lightning_yafsdp.training.metrics_log import METRICS_FILE, STEP, read_metrics
 
 PLOT_FILE = "metrics.png"
+SUMMARY_FILE = "summary.json"
 _LOSS_COLUMNS = ("train_loss", "val_loss")
+# What --output's extension may be (matplotlib writes each without another package).
+FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
 
 
 class PlotError(ValueError):
@@ -50,19 +55,26 @@ def default_plot_path(metrics_path: Path) -> Path:
     return run_dir / PLOT_FILE
 
 
-def write_plot(run: str | Path, *, output: str | Path | None = None) -> Path:
-    """Writes the PNG of a run's train/validation loss, learning rate and tokens/s.
+def write_plot(
+    run: str | Path, *, output: str | Path | None = None, baseline: float | None = None
+) -> Path:
+    """Writes the picture of a run's train/validation loss, learning rate and tokens/s.
 
     Args:
         run: A run directory (``runs/NAME``) or its ``logs/metrics.csv``.
-        output: The PNG to write, or a directory for ``metrics.png`` (default: the run
-            directory); an existing file there is replaced (atomically).
+        output: The file to write, in the format its extension names (one of
+            :data:`FORMATS`; none: PNG), or a directory for ``metrics.png`` (default:
+            the run directory); an existing file there is replaced (atomically).
+        baseline: The unigram entropy of the validation tokens (nats/token), drawn as
+            the loss a model that ignores context reaches; default: the
+            ``unigram_entropy`` of the run's summary.json, if it has one.
 
     Returns:
-        The path of the PNG.
+        The path written.
 
     Raises:
-        PlotError: No metrics file, or no loss logged in it yet.
+        PlotError: No metrics file, no loss logged in it yet, or an extension that
+            is not an image format.
     """
     metrics_path = metrics_path_of(run)
     try:
@@ -78,12 +90,37 @@ def write_plot(run: str | Path, *, output: str | Path | None = None) -> Path:
     target = Path(output) if output is not None else default_plot_path(metrics_path)
     if target.is_dir():
         target = target / PLOT_FILE
-    figure = _figure(series, title=default_plot_path(metrics_path).parent.name)
+    image_format = _format_of(target)
+    run_dir = default_plot_path(metrics_path).parent
+    if baseline is None:
+        baseline = _summary_baseline(run_dir)
+    figure = _figure(series, title=run_dir.name, baseline=baseline)
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.partial")
-    figure.savefig(partial, format="png", dpi=100)
+    figure.savefig(partial, format=image_format, dpi=100)
     os.replace(partial, target)
     return target
+
+
+def _format_of(target: Path) -> str:
+    extension = target.suffix.lower().lstrip(".")
+    if not extension:
+        return "png"
+    if extension not in FORMATS:
+        raise PlotError(
+            f"--output {target}: .{extension} is not an image format this writes; "
+            f"use one of {', '.join('.' + f for f in FORMATS)}"
+        )
+    return extension
+
+
+def _summary_baseline(run_dir: Path) -> float | None:
+    """The unigram baseline ``yafsdp train`` recorded in the run's summary.json."""
+    try:
+        value = json.loads((run_dir / SUMMARY_FILE).read_text()).get("unigram_entropy")
+    except (OSError, ValueError, AttributeError):
+        return None  # a run still training has no summary yet
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
 
 def _series(rows: dict[int, dict[str, Any]], column: str) -> tuple[list[int], list[float]]:
@@ -91,7 +128,9 @@ def _series(rows: dict[int, dict[str, Any]], column: str) -> tuple[list[int], li
     return [step for step, _ in points], [value for _, value in points]
 
 
-def _figure(series: dict[str, tuple[list[int], list[float]]], *, title: str) -> Any:
+def _figure(
+    series: dict[str, tuple[list[int], list[float]]], *, title: str, baseline: float | None
+) -> Any:
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(8, 8), layout="constrained")
@@ -101,6 +140,12 @@ def _figure(series: dict[str, tuple[list[int], list[float]]], *, title: str) -> 
     figure.suptitle(title)
     _draw(loss_axes, series["train_loss"], label="train loss", style="-")
     _draw(loss_axes, series["val_loss"], label="validation loss", style="o-")
+    if baseline is not None:
+        # The loss of predicting every token from its frequency alone: a model that has
+        # learned anything from context ends below it.
+        loss_axes.axhline(
+            baseline, linestyle="--", color="gray", label=f"unigram baseline ({baseline:.2f})"
+        )
     loss_axes.set_ylabel("loss (nats/token)")
     loss_axes.legend()
     _draw(lr_axes, series["lr"], label="learning rate", style="-")

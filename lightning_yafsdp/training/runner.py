@@ -227,7 +227,7 @@ def _train(
         trainer.validate(model, datamodule=data, verbose=False)
     facts = _summary(config, trainer, model, data, run_dir, start)
     if trainer.is_global_zero:
-        facts["plot"] = _plot(config, run_dir)
+        facts["plot"] = _plot(config, run_dir, baseline=facts.get("unigram_entropy"))
         (run_dir / "summary.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
         if show:
             console.print_rich(
@@ -310,14 +310,14 @@ def _set_aside_later_metrics(trainer: pl.Trainer) -> Path | None:
     return None
 
 
-def _plot(config: RunConfig, run_dir: Path) -> str | None:
+def _plot(config: RunConfig, run_dir: Path, *, baseline: float | None) -> str | None:
     """metrics.png of the run (None with ``trainer.logger=none``: no metrics)."""
     from lightning_yafsdp.training.plot import PlotError, write_plot
 
     if config.trainer.logger == "none":
         return None
     try:
-        return str(write_plot(run_dir))
+        return str(write_plot(run_dir, baseline=baseline))
     except PlotError as err:  # no step logged: say so, the run itself succeeded
         print(f"yafsdp train: no plot: {err}")
         return None
