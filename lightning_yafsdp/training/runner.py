@@ -214,7 +214,11 @@ def _train(
         est,
         train_sequences=len(data.train_dataset),
         resume_step=start.step if start.checkpoint else None,
-        extra_callbacks=[*extra_callbacks, _CommitRunFolder(config, run_dir, start)],
+        extra_callbacks=[
+            *extra_callbacks,
+            _CommitRunFolder(config, run_dir, start),
+            _RecipeHparams(config),
+        ],
     )
     if rank_zero and show:
         notices = [*notices, *start.notes]
@@ -297,6 +301,26 @@ class _CommitRunFolder(Callback):
                 f"interrupted run were moved to {moved}",
                 flush=True,
             )
+
+
+class _RecipeHparams(Callback):
+    """Logs the flattened recipe (``flat_recipe``) as TensorBoard's hyperparameters.
+
+    In ``setup``: Lightning writes the logger's hparams.yaml once, right after the
+    setup hooks, and the LightningModule saves no hyperparameters of its own.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        from lightning_yafsdp.training.metrics_log import flat_recipe
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                logger.log_hyperparams(flat_recipe(self.config))
 
 
 def _set_aside_later_metrics(trainer: pl.Trainer) -> Path | None:
