@@ -234,8 +234,8 @@ def _train(
         facts["plot"] = _plot(config, run_dir, baseline=facts.get("unigram_entropy"))
         (run_dir / "summary.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
         if show:
-            console.print_rich(
-                console.summary_table(_display(facts), [loss for _, loss in model.train_losses])
+            console.print_summary(
+                _display(facts), _output_paths(facts), [loss for _, loss in model.train_losses]
             )
     return facts
 
@@ -505,7 +505,12 @@ def _display(facts: dict[str, Any]) -> dict[str, str]:
         "final val loss": f"{facts['final_val_loss']:.3f}",
         "unigram baseline (val)": f"{facts['unigram_entropy']:.3f}",
         "divergence rollbacks": str(len(facts["rollbacks"])),
-        "outputs": facts["run_dir"],
+    }
+
+
+def _output_paths(facts: dict[str, Any]) -> dict[str, str]:
+    return {
+        "outputs": str(facts["run_dir"]),
         "plot": facts.get("plot") or "none (trainer.logger=none)",
         "checkpoint": facts["checkpoint"] or "none (trainer.checkpoint_every_n_steps=0)",
     }
