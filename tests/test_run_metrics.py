@@ -148,6 +148,20 @@ def test_tensorboard_writes_events_next_to_metrics_csv(run: dict) -> None:
     assert (run["dir"] / "logs" / "metrics.csv").is_file()
 
 
+def test_tensorboard_hparams_are_the_flattened_recipe(run: dict) -> None:
+    import yaml
+
+    from lightning_yafsdp.config import load_config
+    from lightning_yafsdp.training.metrics_log import flat_recipe
+
+    board = run["dir"] / "logs" / "tensorboard"
+    hparams = yaml.safe_load((board / "hparams.yaml").read_text())
+    recipe = flat_recipe(load_config(run["dir"] / "config.yaml"))
+    assert hparams == recipe and hparams["trainer.max_steps"] == MAX_STEPS  # was {}
+    (events,) = board.glob("events.out.tfevents.*")
+    assert b"optim.lr" in events.read_bytes() and b"strategy.zero_stage" in events.read_bytes()
+
+
 def test_tensorboard_not_installed_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     monkeypatch.setitem(sys.modules, "tensorboardX", None)

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console, Group
+from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
@@ -175,17 +175,34 @@ def startup_panel(
     return Panel(facts, title=f"yafsdp train: {recipe}", border_style="cyan")
 
 
-def summary_table(facts: dict[str, Any], losses: Sequence[float]) -> Group:
-    """The final summary: steps, tokens, speed, memory, losses and a loss sparkline."""
+def summary_table(facts: dict[str, Any]) -> Table:
+    """The final summary's facts: steps, tokens, speed, memory, losses."""
     table = Table(title="run summary", show_header=False)
     table.add_column(style="bold")
-    table.add_column(justify="right", overflow="fold")  # paths whole, over several lines
+    table.add_column(justify="right")
     for key, value in facts.items():
         table.add_row(key, value if isinstance(value, str) else f"{value}")
+    return table
+
+
+def print_summary(
+    facts: dict[str, Any],
+    paths: dict[str, str],
+    losses: Sequence[float],
+    *,
+    console: Console | None = None,
+) -> None:
+    """The final summary: the facts' table, then each output path on a line of its own
+    that is never wrapped (a table cell folds a long path mid-name, and a path cut in
+    two cannot be copied), then a sparkline of the train loss."""
+    console = console or Console(soft_wrap=False)
+    console.print(summary_table(facts))
+    width = max((len(key) for key in paths), default=0)
+    for key, path in paths.items():
+        console.print(f"{key:<{width}}  {path}", soft_wrap=True, highlight=False, markup=False)
     line = sparkline(losses)
-    if not line:
-        return Group(table)
-    return Group(table, f"train loss  {losses[0]:.2f} {line} {losses[-1]:.2f}")
+    if line:
+        console.print(f"train loss  {losses[0]:.2f} {line} {losses[-1]:.2f}")
 
 
 def print_rich(renderable: Any) -> None:

@@ -17,6 +17,7 @@ rows are moved, never deleted, to ``metrics.superseded-K.csv`` next to the file.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import io
 import math
@@ -55,6 +56,29 @@ def check_logger_available(kind: str) -> None:
         "trainer.logger='tensorboard' needs the tensorboard package, which is not installed: "
         f"{TENSORBOARD_INSTALL} (or set trainer.logger=csv)"
     )
+
+
+def flat_recipe(config: Any) -> dict[str, Any]:
+    """A recipe as ``{"optim.lr": 0.003, ...}``: the hyperparameters TensorBoard shows.
+
+    The LightningModule saves no hyperparameters (its one argument is the recipe, kept
+    whole in config.yaml), so Lightning logs none at fit start and TensorBoard's
+    HPARAMS tab was empty; ``yafsdp train`` logs this instead.
+
+    Lists become strings (TensorBoard's hparams take scalars and strings only); None
+    stays None (Lightning writes it as "None").
+    """
+    flat: dict[str, Any] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}{key}.", item)
+        else:
+            flat[prefix[:-1]] = str(value) if isinstance(value, (list, tuple)) else value
+
+    walk("", dataclasses.asdict(config))
+    return flat
 
 
 def _importable(module: str) -> bool:

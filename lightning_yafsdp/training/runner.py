@@ -214,7 +214,11 @@ def _train(
         est,
         train_sequences=len(data.train_dataset),
         resume_step=start.step if start.checkpoint else None,
-        extra_callbacks=[*extra_callbacks, _CommitRunFolder(config, run_dir, start)],
+        extra_callbacks=[
+            *extra_callbacks,
+            _CommitRunFolder(config, run_dir, start),
+            _RecipeHparams(config),
+        ],
     )
     if rank_zero and show:
         notices = [*notices, *start.notes]
@@ -230,8 +234,8 @@ def _train(
         facts["plot"] = _plot(config, run_dir, baseline=facts.get("unigram_entropy"))
         (run_dir / "summary.json").write_text(json.dumps(facts, indent=2, default=str) + "\n")
         if show:
-            console.print_rich(
-                console.summary_table(_display(facts), [loss for _, loss in model.train_losses])
+            console.print_summary(
+                _display(facts), _output_paths(facts), [loss for _, loss in model.train_losses]
             )
     return facts
 
@@ -297,6 +301,26 @@ class _CommitRunFolder(Callback):
                 f"interrupted run were moved to {moved}",
                 flush=True,
             )
+
+
+class _RecipeHparams(Callback):
+    """Logs the flattened recipe (``flat_recipe``) as TensorBoard's hyperparameters.
+
+    In ``setup``: Lightning writes the logger's hparams.yaml once, right after the
+    setup hooks, and the LightningModule saves no hyperparameters of its own.
+    """
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        from lightning_yafsdp.training.metrics_log import flat_recipe
+
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                logger.log_hyperparams(flat_recipe(self.config))
 
 
 def _set_aside_later_metrics(trainer: pl.Trainer) -> Path | None:
@@ -481,7 +505,12 @@ def _display(facts: dict[str, Any]) -> dict[str, str]:
         "final val loss": f"{facts['final_val_loss']:.3f}",
         "unigram baseline (val)": f"{facts['unigram_entropy']:.3f}",
         "divergence rollbacks": str(len(facts["rollbacks"])),
-        "outputs": facts["run_dir"],
+    }
+
+
+def _output_paths(facts: dict[str, Any]) -> dict[str, str]:
+    return {
+        "outputs": str(facts["run_dir"]),
         "plot": facts.get("plot") or "none (trainer.logger=none)",
         "checkpoint": facts["checkpoint"] or "none (trainer.checkpoint_every_n_steps=0)",
     }
