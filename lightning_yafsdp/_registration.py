@@ -51,11 +51,27 @@ STRATEGY_NAME = "yafsdp"
 STRATEGY_DESCRIPTION = "YaFSDP fully sharded data parallel (lightning_yafsdp)"
 
 
+# [Note: the class path as a strategy name] LightningCLI types Trainer(strategy=) as
+# ``Union[str, Strategy]``, and jsonargparse gives a flag without init args to the
+# ``str`` branch: ``--trainer.strategy=lightning_yafsdp.YaFSDPStrategy`` reaches the
+# Trainer as that string, which Lightning lower-cases and looks up in its registry.
+# These names make that string mean our class (YAML ``class_path`` needs nothing).
+CLASS_PATH_NAMES = ("lightning_yafsdp.yafsdpstrategy", "lightning_yafsdp.strategy.yafsdpstrategy")
+
+
 def _register_trainer() -> None:
     _read_sharded_directories_in_load_from_checkpoint()
     from lightning.pytorch.strategies import StrategyRegistry
 
     _register_strategy_module("lightning_yafsdp.strategy", StrategyRegistry)
+    for name in CLASS_PATH_NAMES:
+        if name not in StrategyRegistry:
+            # A factory: the strategy module may be half-built right now (see below).
+            StrategyRegistry.register(
+                name,
+                _StrategyOnFirstUse("lightning_yafsdp.strategy"),
+                description=STRATEGY_DESCRIPTION,
+            )
 
 
 def _register_fabric() -> None:
