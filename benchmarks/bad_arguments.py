@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -81,16 +82,25 @@ def _refusal(action) -> str | None:
     return None
 
 
-def _launch(table: str, index: int, script: Path) -> dict:
+def _launch(table: str, index: int, script: Path, *, timeout_s: float = 120.0) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
     env["PYTHONPATH"] = str(REPO)
     began = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(script), table, str(index)], capture_output=True, text=True,
-        env=env, cwd=script.parent, timeout=600, check=False,
-    )  # fmt: skip
-    output = proc.stdout + proc.stderr
-    trained = "TRAINED" in proc.stdout and proc.returncode == 0
+    with subprocess.Popen(
+        [sys.executable, str(script), table, str(index)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env=env, cwd=script.parent, start_new_session=True,
+    ) as proc:  # fmt: skip
+        try:
+            output, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # rank 1 too
+            output, _ = proc.communicate()
+            return dict(
+                where=f"hangs after launch (killed after {timeout_s:g} s)",
+                lines=len(output.splitlines()),
+                message="(no error: the ranks wait for each other)",
+            )
+    trained = "TRAINED" in output and proc.returncode == 0
     return dict(
         where="trained (never refused)" if trained else "after launch",
         seconds=round(time.monotonic() - began, 1),
