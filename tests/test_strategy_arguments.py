@@ -16,6 +16,7 @@ import lightning as L
 import lightning.pytorch as pl
 import pytest
 import torch
+from omegaconf import ListConfig
 from torch import nn
 
 from lightning_yafsdp import YaFSDPStrategy
@@ -70,6 +71,8 @@ def test_an_argument_the_world_size_rules_out_is_refused_before_launch(kwargs, r
         ({"device_mesh": [2, 1]}, {"device_mesh": (2, 1)}),
         ({"process_group_backend": "GLOO"}, {"process_group_backend": "gloo"}),
         ({"activation_checkpointing": range(2)}, {"activation_checkpointing": [0, 1]}),
+        ({"units": ListConfig(["model.layers.0"])}, {"units": ["model.layers.0"]}),
+        ({"device_mesh": ListConfig([1, 2])}, {"device_mesh": (1, 2)}),
     ],
     ids=lambda d: label(d),
 )
@@ -77,7 +80,8 @@ def test_yaml_spellings_are_accepted_and_stored_canonically(written, canonical):
     for strategy in STRATEGIES.values():
         options = strategy(**written).options
         for name, value in canonical.items():
-            assert getattr(options, name) == value
+            stored = getattr(options, name)
+            assert stored == value and type(stored) is type(value), (name, stored)
 
 
 def test_the_backend_the_strategy_connects_with_is_the_canonical_spelling():

@@ -60,6 +60,11 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_list(value: Any) -> bool:
+    """A list, a tuple or another sequence (omegaconf's ListConfig), not a string."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
 def _is_module_class(value: Any) -> bool:
     return isinstance(value, type) and issubclass(value, nn.Module)
 
@@ -75,11 +80,11 @@ def check_units(name: str, value: Any) -> Any:
     )
     if value is None or _is_module_class(value):
         return value
-    if isinstance(value, (list, tuple)):
+    if _is_list(value):
         if value and (
             all(_is_module_class(u) for u in value) or all(isinstance(u, str) for u in value)
         ):
-            return value
+            return value if isinstance(value, (list, tuple)) else list(value)
         refuse(name, value, accepts)
     if callable(value) and not isinstance(value, type):
         return _callable_taking(name, value, 2, accepts)
@@ -94,9 +99,9 @@ def check_norm_classes(name: str, value: Any) -> Any:
     )
     if value is None:
         return None
-    items = value if isinstance(value, (list, tuple)) else (value,)
+    items = value if _is_list(value) else (value,)
     classes = tuple(_module_class(name, item, accepts) for item in items)
-    return classes if isinstance(value, (list, tuple)) else classes[0]
+    return classes if _is_list(value) else classes[0]
 
 
 def _module_class(name: str, value: Any, accepts: str) -> type:
@@ -134,13 +139,11 @@ def check_activation_checkpointing(name: str, value: Any) -> Any:
     )
     if value is None or value == "all" or _is_module_class(value):
         return value
-    if isinstance(value, range):
-        value = list(value)
-    if isinstance(value, (list, tuple)):
+    if _is_list(value):
         if all(_is_int(i) and i >= 0 for i in value) or (
             value and all(_is_module_class(c) for c in value)
         ):
-            return value
+            return value if isinstance(value, (list, tuple)) else list(value)
         refuse(name, value, accepts)
     if callable(value) and not isinstance(value, type):
         return _callable_taking(name, value, 2, accepts)
@@ -244,7 +247,7 @@ def check_device_mesh(name: str, value: Any) -> Any:
     )
     if value is None:
         return None
-    if isinstance(value, (list, tuple)):
+    if _is_list(value):
         if len(value) == 2 and all(_is_int(n) and n >= 1 for n in value):
             return tuple(value)
         refuse(name, value, accepts)
