@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
@@ -316,12 +317,11 @@ def _check_accelerator(value: Any) -> None:
     from lightning.fabric.accelerators import Accelerator as FabricAccelerator
 
     kinds: tuple[type, ...] = (FabricAccelerator,)
-    try:  # the Trainer's accelerators are their own class; a Fabric-only program lacks it
-        from lightning.pytorch.accelerators import Accelerator as TrainerAccelerator
-
-        kinds += (TrainerAccelerator,)
-    except ImportError:
-        pass
+    # The Trainer's accelerators are their own class; where lightning.pytorch is not
+    # loaded (a Fabric program, which must not load it) none can exist.
+    trainer_accelerators = sys.modules.get("lightning.pytorch.accelerators")
+    if trainer_accelerators is not None:
+        kinds += (trainer_accelerators.Accelerator,)
     if value is not None and not isinstance(value, kinds):
         refuse(
             "accelerator",
