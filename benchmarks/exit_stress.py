@@ -19,6 +19,11 @@ Examples::
     python benchmarks/exit_stress.py --runs 8 --models bigcode llama
     python benchmarks/exit_stress.py --runs 20 --strategy ddp
     python benchmarks/exit_stress.py --runs 40 --json exit_stress.json
+    python benchmarks/exit_stress.py --runs 20 --engine-collectives   # torch only, ~1 min
+
+``--engine-collectives`` launches the torch-only script of
+``tests/test_clean_exit.py`` instead (2 ranks that exit right after the engine's
+collectives), where an abort is far more likely ([Note: gloo work outlives its wait]).
 """
 
 from __future__ import annotations
@@ -187,6 +192,24 @@ def classify(codes: dict[str, int], fitted: int, stderr: str) -> str:
     return "clean"
 
 
+def engine_collectives(runs: int) -> int:
+    """Launch the torch-only exit test's script ``runs`` times; count ranks that aborted."""
+    sys.path.insert(0, str(REPO))
+    from tests.test_clean_exit import _EXIT_RIGHT_AFTER_COLLECTIVES, _launch_pair
+
+    script = Path(tempfile.mkdtemp(prefix="exit_stress_")) / "collectives_then_exit.py"
+    script.write_text(_EXIT_RIGHT_AFTER_COLLECTIVES)
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env["PYTHONPATH"] = str(REPO)
+    codes = [code for _ in range(runs) for code, _ in _launch_pair(script, env)]
+    aborted = sum(code in (134, -6) for code in codes)
+    print(
+        f"engine collectives: {runs} launches, {aborted} of {len(codes)} ranks aborted at exit, "
+        f"{sum(code not in (0, 134, -6) for code in codes)} failed otherwise"
+    )
+    return 1 if any(codes) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--runs", type=int, default=40, help="launches in all (default 40)")
@@ -195,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
     parser.add_argument("--json", type=Path, help="write every launch's outcome here")
     parser.add_argument(
+        "--engine-collectives",
+        action="store_true",
+        help="launch 2 torch-only ranks that exit right after the engine's collectives",
+    )
+    parser.add_argument(
         "--keep-cores",
         type=Path,
         metavar="DIR",
@@ -202,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         "then `gdb python DIR/core.N -batch -ex 'thread apply all bt'`)",
     )
     args = parser.parse_args(argv)
+    if args.engine_collectives:
+        return engine_collectives(args.runs)
 
     work = Path(tempfile.mkdtemp(prefix="exit_stress_"))
     script = work / "fit_and_exit.py"
