@@ -34,7 +34,7 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # unwinding through gloo's noexcept run loop calls std::terminate: "terminate called
 # without an active exception", SIGABRT, exit code 134, after a run that went well.
 # The engine's last collectives (the last backward's reduce_scatters, tag exchanges and
-# all_reduce) come a few ms before the end of a fit: 1 launch in 40 aborted; a script
+# all_reduce) come a few ms before the end of a fit: 1 launch in 160 aborted; a script
 # that exits right after a collective aborts in ~20% of its ranks. DDP's last
 # collectives on Python tensors come earlier, and its gradient buckets have no Python
 # objects. So the works of the latest CPU collectives are kept here: the worker's
