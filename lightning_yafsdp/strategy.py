@@ -191,7 +191,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._process_group_backend = process_group_backend
+        self._process_group_backend = self._options.process_group_backend
         self._engine: YaFSDPEngine | None = None
 
     @classmethod
@@ -286,6 +286,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             )
 
     def set_world_ranks(self) -> None:
+        self._check_against_run()
         assign_world_ranks(self)
 
     # -- process group, model, optimizers ---------------------------------------------

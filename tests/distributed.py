@@ -83,6 +83,10 @@ _COLLECTIVE_TIMEOUT_MARGIN_S = 30.0
 _TERMINATE_GRACE_S = 2.0
 # How long a rank that already sent its result gets to exit on its own, in seconds.
 _EXIT_GRACE_S = 10.0
+# After a rank failed, how long the others get to report theirs, in seconds.
+_FAILURE_GRACE_S = 5.0
+# What a rank's error says when it failed only because a peer's process went away (gloo).
+_ECHO_PHRASES = ("connection closed by peer", "connection reset by peer", "broken pipe")
 
 
 class RankFailedError(RuntimeError):
@@ -252,6 +256,7 @@ def _collect_results(ranks: list[_Rank], *, deadline: float, timeout_s: float) -
             else:
                 results[rank] = report.value
         if failures:
+            failures += _failures_within(pending, grace_s=_FAILURE_GRACE_S)
             raise RankFailedError(_failure_message(failures, len(ranks)))
     _await_clean_exits(ranks)
     return [results[r] for r in range(len(ranks))]
@@ -290,10 +295,42 @@ def _poll_rank(state: _Rank) -> _Success | _Failure | None:
     return _Failure(rank=state.rank, detail=detail, time=time.time())
 
 
+def _failures_within(pending: dict[int, _Rank], *, grace_s: float) -> list[_Failure]:
+    """The failures of the ``pending`` ranks that arrive within ``grace_s`` of the first.
+
+    A failure and its cause reach the harness in either order: a peer's "connection
+    closed" comes straight through its pipe, while the death of the rank that caused it
+    is seen through the fork server, which reports it late on a loaded machine. So the
+    other ranks get a moment to report before the message is written; a rank still
+    running then (hung in a collective) is left to ``_stop_all``.
+    """
+    failures: list[_Failure] = []
+    deadline = time.monotonic() + grace_s
+    while pending and (remaining := deadline - time.monotonic()) > 0:
+        waitables = [r.reader for r in pending.values()]
+        waitables += [r.process.sentinel for r in pending.values()]
+        multiprocessing.connection.wait(waitables, timeout=remaining)
+        for rank in sorted(pending):
+            report = _poll_rank(pending[rank])
+            if report is None:
+                continue
+            del pending[rank]
+            if isinstance(report, _Failure):
+                failures.append(report)
+    return failures
+
+
+def _is_echo(failure: _Failure) -> bool:
+    """A failure inside a collective because a peer went away: a consequence, not a cause."""
+    detail = failure.detail.lower()
+    return any(phrase in detail for phrase in _ECHO_PHRASES)
+
+
 def _failure_message(failures: list[_Failure], world_size: int) -> str:
     # When one rank fails, its peers often fail next inside a collective ("connection
-    # closed by peer"): the earliest failure is the cause and is reported first.
-    first, *echoes = sorted(failures, key=lambda f: f.time)
+    # closed by peer"): those are reported after the others, each group earliest first,
+    # so the cause comes first whichever rank the harness heard from first.
+    first, *echoes = sorted(failures, key=lambda f: (_is_echo(f), f.time))
     lines = [f"dist_run: rank {first.rank} of {world_size} failed: {first.detail}"]
     for echo in echoes:
         lines.append(f"rank {echo.rank} failed afterwards (often a consequence): {echo.detail}")

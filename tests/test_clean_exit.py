@@ -10,11 +10,18 @@ the same command line, so it is wrapped the same way.
 
 One script fits several models reported to abort at exit (Hugging Face GPT-2, Mixtral
 with manual optimization, T5) so that one launch is sensitive to all of them.
+
+An abort after a fit is rare (1 launch in 40, [Note: gloo work outlives its wait] in
+core/collectives.py), so a second test makes it likely: a torch-only script that exits
+right after the engine's collectives, launched ten times (~20% of such ranks aborted
+before the fix, so ten clean launches are a 1-in-100 fluke without it). The full
+Lightning-level count is ``python benchmarks/exit_stress.py --runs 40``.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -160,3 +167,58 @@ def test_every_rank_of_successful_fits_exits_with_code_zero(tmp_path):
     assert codes == {"rank0": 0, "rank1": 0}, proc.stderr[-3000:]
     assert proc.returncode == 0
     assert "terminate called" not in proc.stderr
+
+
+_EXIT_RIGHT_AFTER_COLLECTIVES = r"""
+import torch
+import torch.distributed as dist
+
+from lightning_yafsdp.core.collectives import (
+    CommStats, all_gather_into, all_reduce_, broadcast_, reduce_scatter_into,
+)
+
+dist.init_process_group("gloo")
+group, stats = dist.group.WORLD, CommStats()
+rank, world = dist.get_rank(), dist.get_world_size()
+shard, full = torch.full((256,), float(rank)), torch.ones(256 * world)
+gathered, reduced, norm = torch.empty(256 * world), torch.empty(256), torch.ones(1)
+for _ in range(3):
+    all_gather_into(gathered, shard, group, async_op=True, stats=stats).wait()
+    reduce_scatter_into(reduced, full, group, async_op=False, stats=stats)
+    broadcast_(norm, group, src_rank=0, stats=stats)
+    all_reduce_(norm, group, stats=stats)
+# ...and the program ends at once, as a training script does after its last backward.
+"""
+
+
+def _launch_pair(script: Path, env: dict) -> list[tuple[int, str]]:
+    env = dict(env, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(random.randint(20000, 60000))
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=dict(env, RANK=str(rank)),
+            cwd=script.parent,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    results = []
+    for proc in ranks:
+        _, err = proc.communicate(timeout=120)
+        results.append((proc.returncode, err))
+    return results
+
+
+def test_ranks_that_exit_right_after_the_engines_collectives_exit_with_code_zero(tmp_path):
+    script = tmp_path / "collectives_then_exit.py"
+    script.write_text(_EXIT_RIGHT_AFTER_COLLECTIVES)
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    env["PYTHONPATH"] = str(Path(__file__).parents[1])
+
+    outcomes = [rank for _ in range(10) for rank in _launch_pair(script, env)]
+
+    failed = [(code, err[-1500:]) for code, err in outcomes if code != 0 or "terminate" in err]
+    assert not failed, f"{len(failed)} of {len(outcomes)} ranks: {failed[0]}"

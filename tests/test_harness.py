@@ -210,9 +210,32 @@ def test_rank_that_exits_without_reporting_is_reported_with_its_exit_code():
     with pytest.raises(RankFailedError) as info:
         dist_run(2, _exit_3_on_rank_1, timeout_s=60)
 
+    _assert_rank_1_is_the_cause(str(info.value))
+
+
+def _close_the_group_then_exit_3_on_rank_1():
+    # Rank 0's barrier fails ("connection closed") well before rank 1's process ends, so
+    # the harness hears from rank 0 first.
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        time.sleep(1.0)
+        os._exit(3)
+    dist.barrier()
+
+
+def test_the_rank_that_died_is_reported_first_even_when_its_peer_is_heard_from_first():
+    with pytest.raises(RankFailedError) as info:
+        dist_run(2, _close_the_group_then_exit_3_on_rank_1, timeout_s=60)
+
     message = str(info.value)
-    assert "rank 1" in message
-    assert "exited with code 3" in message
+    _assert_rank_1_is_the_cause(message)
+    assert "rank 0 failed afterwards (often a consequence)" in message
+
+
+def _assert_rank_1_is_the_cause(message: str) -> None:
+    cause = message.splitlines()[0]
+    assert cause.startswith("dist_run: rank 1 of 2 failed"), message
+    assert "exited with code 3" in cause, message
 
 
 def test_fn_that_cannot_be_pickled_is_refused_with_advice():

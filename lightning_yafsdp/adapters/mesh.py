@@ -49,6 +49,8 @@ class ShardingState:
 
     _options: ShardingOptions
     _mesh: ShardMesh | None = None
+    num_nodes: int
+    parallel_devices: list | None
 
     @property
     def options(self) -> ShardingOptions:
@@ -59,6 +61,20 @@ class ShardingState:
     def mesh(self) -> ShardMesh | None:
         """The shard and replicate groups ([Note: hybrid sharding]); None before setup."""
         return self._mesh
+
+    def _check_against_run(self) -> None:
+        """The options against the run's size and device, once Lightning set the devices.
+
+        Lightning sets them while the Trainer / Fabric object is built (its connector then
+        calls ``set_world_ranks``), before launching: a shard size that cannot divide the
+        world is refused there, not after every rank started ([Note: arguments checked in
+        the constructor]).
+        """
+        devices = self.parallel_devices or []
+        if devices:
+            self._options.check_against_run(
+                world_size=self.num_nodes * len(devices), device_type=devices[0].type
+            )
 
     def _ensure_mesh(self) -> None:
         if self._mesh is None:

@@ -11,6 +11,11 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
 
+from lightning_yafsdp.adapters.arguments import (
+    SHARDING_CHECKS,
+    check_against_run,
+    check_plumbing,
+)
 from lightning_yafsdp.checkpoint.entries import StateDictType
 
 if TYPE_CHECKING:
@@ -54,29 +59,21 @@ class ShardingOptions:
     device_mesh: Any = None  # a DeviceMesh or (replicas, shard_size)
 
     def __post_init__(self) -> None:
+        # [Note: arguments checked in the constructor] (arguments.py): each value is
+        # checked and stored in its canonical form ("bf16" -> torch.bfloat16).
+        for field in fields(self):
+            canonical = SHARDING_CHECKS[field.name](field.name, getattr(self, field.name))
+            object.__setattr__(self, field.name, canonical)
         if self.shard_size is not None and self.device_mesh is not None:
             raise ValueError(
-                "pass shard_size= or device_mesh=, not both (device_mesh=(replicas, "
-                "shard_size) already says the shard size)"
+                f"shard_size={self.shard_size} and device_mesh={self.device_mesh!r} are both "
+                "given: pass one, not both (device_mesh=(replicas, shard_size) already says "
+                "the shard size)"
             )
-        size = self.shard_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"shard_size must be a positive integer, got {size!r}")
-        mesh = self.device_mesh
-        if isinstance(mesh, (tuple, list)) and not (
-            len(mesh) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in mesh)
-        ):
-            raise ValueError(
-                f"device_mesh={mesh!r}: give (replicas, shard_size), two positive integers, "
-                "or a 2-D DeviceMesh with mesh_dim_names=('replicate', 'shard')"
-            )
-        if self.zero_stage not in (2, 3):
-            raise ValueError(f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
-        if self.state_dict_type not in ("sharded", "full"):
-            raise ValueError(
-                f"state_dict_type must be 'sharded' or 'full', got {self.state_dict_type!r}"
-            )
+
+    def check_against_run(self, *, world_size: int, device_type: str) -> None:
+        """Refuse what the run's size or device rules out (before any collective)."""
+        check_against_run(self, world_size=world_size, device_type=device_type)
 
     @classmethod
     def from_arguments(cls, owner: str, arguments: dict[str, Any], unknown: dict[str, Any]):
@@ -86,18 +83,20 @@ class ShardingOptions:
         """
         if unknown:
             raise TypeError(unknown_arguments_message(owner, unknown))
+        check_plumbing(arguments)
         return cls(**{field.name: arguments[field.name] for field in fields(cls)})
 
 
 def unknown_arguments_message(owner: str, unknown: dict[str, Any]) -> str:
-    lines = [f"{owner} got unexpected argument(s): {', '.join(sorted(unknown))}."]
-    for name in sorted(unknown):
-        if name in MIGRATION_HINTS:
-            lines.append(f"  {name}: use {MIGRATION_HINTS[name]}")
-    lines.append(
-        "Valid arguments: units, norm_classes, zero_stage, reduce_dtype, "
-        "activation_checkpointing, param_init_fn, sync_module_states, cast_forward_inputs, "
-        "timeout, process_group_backend, state_dict_type, shard_size, device_mesh (see "
-        "docs/user-guide.md)."
+    """One line: the unknown names, the replacement of each that has one, the valid names."""
+    hints = [
+        f"{name}: use {MIGRATION_HINTS[name]}"
+        for name in sorted(unknown)
+        if name in MIGRATION_HINTS
+    ]
+    return (
+        f"{owner} got unexpected argument(s) {', '.join(sorted(unknown))}"
+        + (f" ({'; '.join(hints)})" if hints else "")
+        + f"; it takes {', '.join(f.name for f in fields(ShardingOptions))} (see "
+        "docs/user-guide.md)"
     )
-    return "\n".join(lines)

@@ -10,7 +10,7 @@ which stream and with which waits a collective is issued.
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,49 @@ if TYPE_CHECKING:
 # The torch-version shims (2.11 lacks the ``*_single`` names) live in core/compat.py.
 _all_gather_single = compat.all_gather_single
 _reduce_scatter_single = compat.reduce_scatter_single
+
+# [Note: gloo work outlives its wait]
+# gloo runs each collective on one of the process group's worker threads, which drops
+# its reference to the work, and through it to the tensors, just AFTER marking it done:
+# after the caller's wait() returned. When that is the last C++ reference to a tensor
+# that has a Python object, torch takes the GIL to hand the object back. If the program
+# has started exiting by then, CPython ends the worker thread (pthread_exit) and the
+# unwinding through gloo's noexcept run loop calls std::terminate: "terminate called
+# without an active exception", SIGABRT, exit code 134, after a run that went well.
+# The engine's last collectives (the last backward's reduce_scatters, tag exchanges and
+# all_reduce) come a few ms before the end of a fit: 1 launch in 160 aborted; a script
+# that exits right after a collective aborts in ~20% of its ranks. DDP's last
+# collectives on Python tensors come earlier, and its gradient buckets have no Python
+# objects. So the works of the latest CPU collectives are kept here: the worker's
+# drop is never the last one, and the tensors are let go by the main thread (with the
+# GIL) when newer collectives push them out or when the interpreter clears this
+# module. Blocking collectives are issued async and waited here for the same reason.
+# CUDA (NCCL) works are not kept: a kept work would pin its tensors' device memory.
+_KEPT_WORKS = 8
+_recent_cpu_works: deque = deque(maxlen=_KEPT_WORKS)
+
+
+def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
+    """``collective(*args, async_op=..., **kwargs)``; a CPU collective's work is kept.
+
+    ``tensor``: one of the collective's tensors, whose device decides
+    ([Note: gloo work outlives its wait]).
+    """
+    if tensor.device.type != "cpu":
+        return collective(*args, async_op=async_op, **kwargs)
+    work = collective(*args, async_op=True, **kwargs)
+    if work is not None:  # None: a backend or rank that did not take part
+        _recent_cpu_works.append(work)
+    if async_op:
+        return work
+    if work is not None:
+        work.wait()
+    return None
+
+
+def kept_works() -> list[dist.Work]:
+    """The works of the latest CPU collectives, newest last (for tests)."""
+    return list(_recent_cpu_works)
 
 
 @dataclass
@@ -83,7 +126,7 @@ def all_gather_into(
     guarantee that their contents are right when read.
     """
     stats.add("all_gather", output.numel() * output.element_size())
-    return _all_gather_single(output.data, shard, group=group, async_op=async_op)
+    return _issue(_all_gather_single, shard, output.data, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(
@@ -96,9 +139,10 @@ def reduce_scatter_into(
 ) -> dist.Work | None:
     """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``."""
     stats.add("reduce_scatter", full.numel() * full.element_size())
-    return _reduce_scatter_single(
-        output.data, full, op=ReduceOp.SUM, group=group, async_op=async_op
-    )
+    return _issue(
+        _reduce_scatter_single, full, output.data, full, op=ReduceOp.SUM, group=group,
+        async_op=async_op,
+    )  # fmt: skip
 
 
 def replicate_all_reduce(
@@ -106,7 +150,9 @@ def replicate_all_reduce(
 ) -> dist.Work | None:
     """Sum a reduced grad shard across the replicate group, in place ([Note: hybrid sharding])."""
     stats.add("replicate_all_reduce", reduced.numel() * reduced.element_size())
-    return dist.all_reduce(reduced.data, op=ReduceOp.SUM, group=group, async_op=async_op)
+    return _issue(
+        dist.all_reduce, reduced, reduced.data, op=ReduceOp.SUM, group=group, async_op=async_op
+    )
 
 
 def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype) -> None:
@@ -123,9 +169,12 @@ def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype
     full = torch.ones(world, dtype=dtype, device=device)
     out = torch.empty(1, dtype=dtype, device=device)
     try:
-        _reduce_scatter_single(out, full, op=ReduceOp.SUM, group=group)
+        _issue(_reduce_scatter_single, out, out, full, op=ReduceOp.SUM, group=group, async_op=False)
         if mesh.replicate_group is not None:
-            dist.all_reduce(out, op=ReduceOp.SUM, group=mesh.replicate_group)
+            _issue(
+                dist.all_reduce, out, out, op=ReduceOp.SUM, group=mesh.replicate_group,
+                async_op=False,
+            )  # fmt: skip
     except (RuntimeError, ValueError) as error:
         backend = dist.get_backend(group)
         raise ValueError(
@@ -140,7 +189,7 @@ def all_reduce_(
 ) -> None:
     """In-place blocking all_reduce (used for the global grad norm)."""
     stats.add("all_reduce", tensor.numel() * tensor.element_size())
-    dist.all_reduce(tensor, op=op, group=group)
+    _issue(dist.all_reduce, tensor, tensor, op=op, group=group, async_op=False)
 
 
 def broadcast_(
@@ -148,4 +197,5 @@ def broadcast_(
 ) -> None:
     """In-place blocking broadcast from group rank ``src_rank``."""
     stats.add("broadcast", tensor.numel() * tensor.element_size())
-    dist.broadcast(tensor, src=dist.get_global_rank(group, src_rank), group=group)
+    src = dist.get_global_rank(group, src_rank)
+    _issue(dist.broadcast, tensor, tensor, src=src, group=group, async_op=False)

@@ -138,7 +138,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
             precision=precision,
         )
         self._num_nodes = 1
-        self._process_group_backend = process_group_backend
+        self._process_group_backend = self._options.process_group_backend
         self._backward_sync_control = _AccumulatingBackward()
         self._sharded_modules: list[nn.Module] = []
 
@@ -202,6 +202,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
             )
 
     def _set_world_ranks(self) -> None:
+        self._check_against_run()
         assign_world_ranks(self)
 
     # -- process group, model, optimizers ---------------------------------------------
