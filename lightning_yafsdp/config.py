@@ -240,8 +240,7 @@ class ScheduleConfig:
             raise ConfigError("schedule.warmup_steps must be >= 0, min_lr_ratio in [0, 1]")
         if self.total_steps is not None and self.total_steps < 1:
             raise ConfigError(
-                f"schedule.total_steps={self.total_steps} must be >= 1 (or null: "
-                "trainer.max_steps)"
+                f"schedule.total_steps={self.total_steps} must be >= 1 (or null: trainer.max_steps)"
             )
 
 

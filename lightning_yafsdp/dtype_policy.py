@@ -72,8 +72,7 @@ class DtypePolicy:
             )
         if flag not in _DTYPES:
             raise ValueError(
-                f"unknown precision {flag!r} for YaFSDPStrategy; choose one of "
-                f"{', '.join(_DTYPES)}"
+                f"unknown precision {flag!r} for YaFSDPStrategy; choose one of {', '.join(_DTYPES)}"
             )
         return cls(flag, *_DTYPES[flag])
 

@@ -93,8 +93,11 @@ def test_the_summary_covers_the_whole_run(runs) -> None:
 
 
 def test_the_startup_panel_says_what_is_resumed(runs) -> None:
-    out = " ".join(runs["resumed"].stdout.replace("│", " ").split())  # the panel wraps lines
-    assert f"step={MIDDLE}.ckpt at step {MIDDLE}, {MIDDLE * 16 * 128 * 2:,} tokens seen" in out
+    stdout = runs["resumed"].stdout
+    out = " ".join(stdout.replace("│", " ").split())  # the panel wraps lines
+    assert f"resuming at step {MIDDLE}, {MIDDLE * 16 * 128 * 2:,} tokens seen" in out
+    (resuming,) = [line for line in stdout.splitlines() if line.startswith("resuming ")]
+    assert resuming.endswith(f"step={MIDDLE}.ckpt") and " at step" not in resuming  # whole
     assert f"{STEPS} (resumed at step {MIDDLE})" in out
     assert "dataloader is not resumable" not in runs["resumed"].stderr
 

@@ -137,7 +137,6 @@ def test_whole_model_compile_breaks_only_at_engine_hooks(runs):
         assert 0 < whole["graph_breaks"] <= 6, whole
 
 
-
 def _compiled_read_outside_units() -> str:
     import transformers
 

@@ -52,9 +52,7 @@ def _pretrain_like(strategy: str, initial: dict | None = None) -> dict:
     else:
         model.load_state_dict(initial)
     model = fabric.setup(model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95)
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     optimizer = fabric.setup_optimizers(optimizer)
     start = fl.full_weights(model)
     losses = fl.train_steps(

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_yafsdp.adapters.hosts import oversubscription_warning
 from lightning_yafsdp.cli.main import main
 from lightning_yafsdp.config import ConfigError
 from lightning_yafsdp.training.metrics_log import StepMetricsLogger, check_logger_available
-from lightning_yafsdp.training.progress import warn_if_oversubscribed
 
 MAX_STEPS = 8
 _TINY_RUN = [
@@ -181,7 +181,8 @@ def test_progress_bar_counts_optimizer_steps_to_max_steps(run: dict) -> None:
 
 def test_more_cpu_ranks_than_cores_is_warned() -> None:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    warning = warn_if_oversubscribed(cores + 1, "cpu")
+    warning = oversubscription_warning(cores + 1, "cpu")
     assert warning and f"{cores + 1} CPU ranks" in warning and "\n" not in warning
-    assert warn_if_oversubscribed(cores, "cpu") is None
-    assert warn_if_oversubscribed(cores + 1, "gpu") is None
+    assert f"set devices={cores} or fewer" in warning
+    assert oversubscription_warning(cores, "cpu") is None
+    assert oversubscription_warning(cores + 1, "cuda") is None

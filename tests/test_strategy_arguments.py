@@ -10,6 +10,7 @@ trains the wrong thing. What needs the run's size is refused by ``Trainer(...)``
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 
 import lightning as L
@@ -20,6 +21,7 @@ from omegaconf import ListConfig
 from torch import nn
 
 from lightning_yafsdp import YaFSDPStrategy
+from lightning_yafsdp.adapters.hosts import OversubscribedWarning, usable_cores
 from lightning_yafsdp.fabric import YaFSDPStrategy as FabricYaFSDPStrategy
 from tests.strategy_arguments import CONSTRUCTOR, WORLD_SIZE, label
 
@@ -87,3 +89,20 @@ def test_yaml_spellings_are_accepted_and_stored_canonically(written, canonical):
 def test_the_backend_the_strategy_connects_with_is_the_canonical_spelling():
     assert YaFSDPStrategy(process_group_backend="Gloo").process_group_backend == "gloo"
     assert FabricYaFSDPStrategy(process_group_backend="Gloo").process_group_backend == "gloo"
+
+
+def test_more_cpu_ranks_than_cores_is_warned_by_trainer_and_fabric_before_launch() -> None:
+    # A plain Trainer(...)/Fabric(...) hears it too, not only `yafsdp train`.
+    cores = usable_cores()
+    for build in (
+        lambda d: pl.Trainer(strategy=YaFSDPStrategy(), accelerator="cpu", devices=d),
+        lambda d: L.Fabric(strategy=FabricYaFSDPStrategy(), accelerator="cpu", devices=d),
+    ):
+        with pytest.warns(OversubscribedWarning) as caught:
+            build(cores + 1)
+        (warning,) = caught
+        assert f"{cores + 1} CPU ranks on {cores} usable core(s)" in str(warning.message)
+        assert f"set devices={cores} or fewer" in str(warning.message)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", OversubscribedWarning)
+            build(cores)

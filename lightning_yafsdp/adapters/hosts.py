@@ -13,6 +13,7 @@ one small all_gather.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections import Counter
 from collections.abc import Sequence
@@ -64,3 +65,43 @@ def warn_if_shard_groups_are_spread(mesh: ShardMesh) -> None:
         f"as Lightning and torchrun do; then shard_size={per_machine} is one machine), or "
         f"shard flat with shard_size={mesh.world_size}"
     )
+
+
+class OversubscribedWarning(UserWarning):
+    """More CPU ranks on this machine than cores it may use (a slow run, not a wrong one)."""
+
+
+def oversubscription_warning(
+    ranks_per_node: int, device_type: str, *, setting: str = "devices"
+) -> str | None:
+    """A one-line warning when CPU ranks outnumber this machine's cores, else None.
+
+    Each CPU rank needs at least one core: with more ranks than cores the ranks take
+    turns, every collective waits for the slowest, and a step takes several times as
+    long as with fewer ranks. Both strategies warn with it when ``Trainer(...)`` /
+    ``Fabric(...)`` knows the devices; ``yafsdp train`` says it before launching.
+
+    Args:
+        ranks_per_node: Processes this machine will run (``devices``).
+        device_type: The ranks' device type (only ``"cpu"`` ranks share the cores).
+        setting: The name the fix is given under (``trainer.devices`` in a recipe).
+
+    Returns:
+        The warning text (no trailing newline), or None when the ranks fit.
+    """
+    if device_type != "cpu":
+        return None
+    cores = usable_cores()
+    if ranks_per_node <= cores:
+        return None
+    return (
+        f"warning: {ranks_per_node} CPU ranks on {cores} usable core(s): the ranks take turns "
+        f"and every step waits for the slowest; set {setting}={cores} or fewer"
+    )
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (taskset, cgroups cpusets), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1

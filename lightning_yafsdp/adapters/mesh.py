@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_yafsdp.adapters.hosts import warn_if_shard_groups_are_spread
+from lightning_yafsdp.adapters.hosts import (
+    OversubscribedWarning,
+    oversubscription_warning,
+    warn_if_shard_groups_are_spread,
+)
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.core.mesh import ShardMesh, check_shard_size, default_shard_size
 
@@ -75,6 +79,9 @@ class ShardingState:
             self._options.check_against_run(
                 world_size=self.num_nodes * len(devices), device_type=devices[0].type
             )
+            warning = oversubscription_warning(len(devices), devices[0].type)
+            if warning:  # said once: Python shows a warning once per place it is raised
+                rank_zero_warn(warning.removeprefix("warning: "), category=OversubscribedWarning)
 
     def _ensure_mesh(self) -> None:
         if self._mesh is None:

@@ -228,6 +228,10 @@ def _train_in_scope(options: argparse.Namespace) -> int:
     if is_rank_zero():
         for notice in notices:  # e.g. more CPU ranks than cores: said with --quiet too
             print(f"yafsdp train: {notice}", file=sys.stderr, flush=True)
+    from lightning_yafsdp.adapters.hosts import OversubscribedWarning
+
+    # Said above in the recipe's terms (trainer.devices); the strategy would repeat it.
+    warnings.filterwarnings("ignore", category=OversubscribedWarning)
     run_dir = run_dir_of(config)
     config.trainer.run_name = run_dir.name  # decided once: printed, saved, resumable
     start = plan_start(run_dir, resume)
@@ -244,6 +248,8 @@ def _train_in_scope(options: argparse.Namespace) -> int:
             for line in [*start.notes, *filter(None, [schedule_warning])]:
                 print(line, file=sys.stderr)
             print(f"yafsdp train --check: {config.recipe} in {run_dir}: {start.describe()}")
+            if start.checkpoint is not None:
+                print(f"resuming  {start.checkpoint}")
         return 0
     # The resolved config is not printed here (it would bury the run's first lines):
     # --print-config shows it, and the run folder keeps it as config.yaml.

@@ -92,9 +92,7 @@ class ShardedUnit(FlatParamGroup):
                 module.register_forward_pre_hook(
                     outside_compile(self._pre_forward), with_kwargs=True
                 ),
-                module.register_forward_hook(
-                    outside_compile(self._post_forward), always_call=True
-                ),
+                module.register_forward_hook(outside_compile(self._post_forward), always_call=True),
             ]
         self._original_forward = None
         self._placeholders: list | None = None  # root units: built at first use

@@ -127,11 +127,13 @@ def startup_panel(
     precision: str,
     strategy: str,
     data: dict[str, Any],
-    run_dir: str,
     start: str = "fresh run",
     warnings: Sequence[str] = (),
 ) -> Panel:
-    """What is about to run: model, sharding, memory per rank, data, outputs."""
+    """What is about to run: model, sharding, memory per rank, data, how it starts.
+
+    Paths are not in it: :func:`print_startup` prints them below it, whole.
+    """
     facts = Table.grid(padding=(0, 2))
     facts.add_column(style="bold cyan")
     facts.add_column()
@@ -168,7 +170,6 @@ def startup_panel(
         f"{human_count(data['val_tokens'])} val tokens, vocab {data['vocab_size']}, "
         f"unigram baseline {data['unigram_entropy']:.3f} nats",
     )
-    facts.add_row("outputs", run_dir)
     facts.add_row("start", start)
     for warning in warnings:
         facts.add_row("warning", f"[yellow]{warning}[/yellow]")
@@ -193,16 +194,28 @@ def print_summary(
     console: Console | None = None,
 ) -> None:
     """The final summary: the facts' table, then each output path on a line of its own
-    that is never wrapped (a table cell folds a long path mid-name, and a path cut in
-    two cannot be copied), then a sparkline of the train loss."""
+    (:func:`print_paths`), then a sparkline of the train loss."""
     console = console or Console(soft_wrap=False)
     console.print(summary_table(facts))
-    width = max((len(key) for key in paths), default=0)
-    for key, path in paths.items():
-        console.print(f"{key:<{width}}  {path}", soft_wrap=True, highlight=False, markup=False)
+    print_paths(paths, console=console)
     line = sparkline(losses)
     if line:
         console.print(f"train loss  {losses[0]:.2f} {line} {losses[-1]:.2f}")
+
+
+def print_startup(panel: Panel, paths: dict[str, str], *, console: Console | None = None) -> None:
+    """The startup panel, then its paths (outputs, the checkpoint resumed) unwrapped."""
+    console = console or Console(soft_wrap=False)
+    console.print(panel)
+    print_paths(paths, console=console)
+
+
+def print_paths(paths: dict[str, str], *, console: Console) -> None:
+    """Each path on a line of its own, never wrapped: a panel or table cell folds a long
+    path mid-name, and a path cut in two cannot be copied."""
+    width = max((len(key) for key in paths), default=0)
+    for key, path in paths.items():
+        console.print(f"{key:<{width}}  {path}", soft_wrap=True, highlight=False, markup=False)
 
 
 def print_rich(renderable: Any) -> None:

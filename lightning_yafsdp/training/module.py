@@ -67,8 +67,8 @@ class CausalLMModule(pl.LightningModule):
     def __init__(self, config: RunConfig, *, schedule_steps: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.schedule_steps = schedule_steps or config.schedule.total_steps or (
-            config.trainer.max_steps
+        self.schedule_steps = (
+            schedule_steps or config.schedule.total_steps or (config.trainer.max_steps)
         )
         self.model: nn.Module | None = None
         practices = config.practices

@@ -33,11 +33,13 @@ def check_inputs(config: RunConfig, *, training: bool) -> list[str]:
     _check_data(config)
     _check_devices(config)
     _check_output_dir(config)
+    from lightning_yafsdp.adapters.hosts import oversubscription_warning
     from lightning_yafsdp.training.metrics_log import check_logger_available
-    from lightning_yafsdp.training.progress import warn_if_oversubscribed
 
     check_logger_available(config.trainer.logger)
-    warning = warn_if_oversubscribed(_ranks_per_node(config), config.trainer.accelerator)
+    warning = oversubscription_warning(
+        _ranks_per_node(config), config.trainer.accelerator, setting="trainer.devices"
+    )
     return [warning] if warning else []
 
 

@@ -9,7 +9,6 @@ bar for the whole run, resumed runs starting where their checkpoint stopped.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -102,35 +101,3 @@ class _ElapsedThenDoneColumn(ProgressColumn):
 
 def _counts_steps(trainer: pl.Trainer) -> bool:
     return trainer.max_steps is not None and trainer.max_steps > 0
-
-
-def warn_if_oversubscribed(ranks_per_node: int, accelerator: str) -> str | None:
-    """A one-line warning when CPU ranks outnumber this machine's cores, else None.
-
-    Each CPU rank needs at least one core: with more ranks than cores the ranks take
-    turns, every collective waits for the slowest, and a step takes several times as
-    long as with fewer ranks.
-
-    Args:
-        ranks_per_node: Processes this machine will run (``trainer.devices``).
-        accelerator: ``trainer.accelerator`` (only ``"cpu"`` ranks share the cores).
-
-    Returns:
-        The warning text (no trailing newline), or None when the ranks fit.
-    """
-    if accelerator != "cpu":
-        return None
-    cores = _usable_cores()
-    if ranks_per_node <= cores:
-        return None
-    return (
-        f"warning: {ranks_per_node} CPU ranks on {cores} usable core(s): the ranks take turns "
-        f"and every step waits for the slowest; set trainer.devices={cores} or fewer"
-    )
-
-
-def _usable_cores() -> int:
-    # The cores this process may run on (taskset, cgroups cpusets), not the machine's.
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1

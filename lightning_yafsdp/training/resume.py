@@ -56,11 +56,11 @@ class RunStart:
     schedule_steps: int | None = None
 
     def describe(self) -> str:
-        """One line for the startup panel."""
+        """One line for the startup panel (the checkpoint's path is printed below it)."""
         if self.checkpoint is None:
             return "fresh run (no checkpoint)"
         tokens = f", {self.tokens:,} tokens seen" if self.tokens is not None else ""
-        return f"resuming {self.checkpoint} at step {self.step}{tokens}"
+        return f"resuming at step {self.step}{tokens}"
 
 
 @contextlib.contextmanager

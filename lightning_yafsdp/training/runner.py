@@ -222,7 +222,10 @@ def _train(
     )
     if rank_zero and show:
         notices = [*notices, *start.notes]
-        console.print_rich(_startup_panel(config, est, data, run_dir, start, notices))
+        paths = {"outputs": str(run_dir)}
+        if start.checkpoint is not None:
+            paths["resuming"] = str(start.checkpoint)
+        console.print_startup(_startup_panel(config, est, data, start, notices), paths)
     _fit(trainer, model, data, start, run_dir)
     # val_check_interval counts training batches (micro-batches), as Lightning does.
     batches = trainer.global_step * config.trainer.accumulate_grad_batches
@@ -388,7 +391,6 @@ def _startup_panel(
     config: RunConfig,
     est: Estimate,
     data: TokenDataModule,
-    run_dir: Path,
     start: RunStart,
     notices: Sequence[str],
 ) -> Any:
@@ -400,7 +402,6 @@ def _startup_panel(
         precision=config.trainer.precision,
         strategy=config.strategy.name,
         data=_data_facts(config, data),
-        run_dir=str(run_dir),
         start=start.describe(),
         warnings=notices,
     )
