@@ -169,7 +169,9 @@ def test_a_requeued_job_resumes_if_it_has_a_checkpoint_and_starts_afresh_if_not(
         if path != kept:
             _remove(path)
     resumed, summary = submit(1)
-    assert f"{kept.name} at step 2" in resumed.stdout.replace("\n", "")
+    assert "resuming at step 2" in resumed.stdout  # the pre-check and the startup panel
+    resuming = [line for line in resumed.stdout.splitlines() if line.startswith("resuming ")]
+    assert resuming and all(line.endswith(kept.name) for line in resuming)
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
 
     # A node died before the first checkpoint: the folder holds metrics, no checkpoint.
