@@ -338,6 +338,9 @@ class StrategyConfig:
             replicate across the groups. ``null`` (default): one node's ranks when
             ``trainer.num_nodes > 1``, else every rank. ``yafsdp estimate`` shows the
             memory per rank it gives.
+        verify_checksums: Compare a resumed checkpoint's files with the CRC-32s recorded
+            at save before loading it (default true; ``strategy.verify_checksums=false``
+            on the command line skips it, e.g. for a checkpoint edited on purpose).
     """
 
     name: str = "yafsdp"
@@ -347,9 +350,11 @@ class StrategyConfig:
     activation_memory_gb: float | None = None
     sync_module_states: bool = False
     shard_size: int | None = None
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))
+        _check_choice("strategy", "verify_checksums", self.verify_checksums, (True, False))
         size = self.shard_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"strategy.shard_size={size!r}: a positive integer, or null")

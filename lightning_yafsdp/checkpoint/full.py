@@ -123,6 +123,7 @@ def load_full(
     prefix: str = "",
     strict: bool = True,
     expected: Mapping[str, Any] | None = None,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a single-file checkpoint into ``engine`` and ``optimizers`` (every rank reads it).
 
@@ -130,6 +131,8 @@ def load_full(
     elements. Not collective.
 
     ``expected`` names the entries of a Fabric file (see ``split_full_checkpoint``).
+    ``verify_checksums`` (default True) compares every zip entry with the CRC-32 torch
+    stored for it before loading ([Note: checksums on load]).
 
     Returns:
         The checkpoint without its weights and optimizer states.
@@ -142,7 +145,7 @@ def load_full(
     path = Path(path)
     if not path.is_file():
         raise NotACheckpointError(describe_non_checkpoint(path))
-    verify_checkpoint(path)
+    verify_checkpoint(path, checksums=verify_checksums)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as exc:

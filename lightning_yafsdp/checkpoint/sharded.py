@@ -188,6 +188,7 @@ def load_sharded(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     prefix: str = "",
     strict: bool = True,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint written at any world size into ``engine`` and ``optimizers``.
 
@@ -201,6 +202,9 @@ def load_sharded(
             ``()`` loads the weights only.
         strict: with False, parameters missing from the checkpoint keep their
             values and names only in the checkpoint are ignored.
+        verify_checksums: compare every file with the CRC-32 recorded at save before
+            reading it, the work shared over the ranks ([Note: checksums on load]).
+            Default True; False checks sizes and structure only.
 
     Returns:
         The contents of ``meta.pt`` (``extra`` of ``save_sharded``, or the rest of a
@@ -209,12 +213,13 @@ def load_sharded(
 
     Raises:
         NotACheckpointError: ``path`` is not a sharded checkpoint.
-        DamagedCheckpointError: a file is missing or truncated (rank 0 names it).
+        DamagedCheckpointError: a file is missing, truncated or (``verify_checksums``)
+            changed since the save (rank 0 names it).
         CheckpointMismatchError: names, shapes, optimizer count or param groups differ.
     """
     path = Path(path)
     _recover(path, engine)
-    verify_on_rank_zero(path, group=engine.group)
+    verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
     layout = CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
