@@ -45,7 +45,7 @@ from lightning_yafsdp.checkpoint.torch_layout import (
     named_from_torch_layout,
     to_torch_layout,
 )
-from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves
+from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.verify import verify_checkpoint
 from lightning_yafsdp.core import YaFSDPEngine
 
@@ -112,7 +112,12 @@ def save_full(
         if fabric_keys is None:
             checkpoint[OPTIMIZER_STATES_KEY] = [checkpoint.pop(k) for k in optimizer_keys]
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states), prefix=prefix)
-    atomic.atomic_file(path, lambda tmp: torch.save(checkpoint, tmp), group=engine.group)
+    atomic.atomic_file(
+        path,
+        lambda tmp: torch.save(checkpoint, tmp),
+        group=engine.group,
+        bytes_needed=tensor_bytes(checkpoint) if engine.rank == 0 else 0,
+    )
 
 
 def load_full(

@@ -53,6 +53,7 @@ from lightning_yafsdp.checkpoint.trees import (
     has_sharded_leaves,
     lists_from_int_keys,
     set_nested,
+    tensor_bytes,
     to_flat_ranges,
 )
 from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
@@ -136,13 +137,15 @@ def save_sharded(
     meta[FORMAT_KEY] = format_info(
         engine, "sharded", len(optimizer_states), prefix=prefix, sharded_keys=sharded_keys
     )
-    with atomic.atomic_directory(path, group=engine.group) as tmp:
+    # [Note: hybrid sharding] every replica holds the same shards: only the first
+    # writes them, so each element is written once; DCP writes a whole tensor once.
+    writes_ranges = engine.mesh.replicate_rank == 0
+    bytes_here = tensor_bytes(state, sharded=writes_ranges, whole=engine.rank == 0)
+    with atomic.atomic_directory(path, group=engine.group, bytes_here=bytes_here) as tmp:
         dcp.save(
             state,
             storage_writer=FileSystemWriter(tmp, sync_files=True),
-            # [Note: hybrid sharding] every replica holds the same shards: only the
-            # first writes them, so each element is written once.
-            planner=RangeSavePlanner(write_ranges=engine.mesh.replicate_rank == 0),
+            planner=RangeSavePlanner(write_ranges=writes_ranges),
             process_group=engine.group,
         )
         meta_failure = None
