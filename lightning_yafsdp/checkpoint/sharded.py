@@ -63,6 +63,9 @@ from lightning_yafsdp.core.sharded_param import ShardedTensor
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 DCP_METADATA_FILENAME = ".metadata"
 MODEL_KEY = "model"
+# Where Lightning's ModelParallelStrategy (FSDP2) keeps the weights in its DCP directories
+# (its FSDPStrategy, like us, uses "model"): read as the model when there is no "model".
+MODEL_PARALLEL_MODEL_KEY = "state_dict"
 FORMAT_KEY = "yafsdp"
 FORMAT_VERSION = 2  # 2: per-parameter optimizer groups with their real hyperparameters
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
@@ -311,14 +314,17 @@ class CheckpointLayout:
     @classmethod
     def from_metadata(cls, metadata: Metadata) -> CheckpointLayout:
         layout = cls()
-        paths = metadata.planner_data or {}
+        planner_paths = metadata.planner_data or {}
+        paths = {fqn: tuple(planner_paths.get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata}
+        top_level = {path[0] for path in paths.values()}
+        model_key = MODEL_KEY if MODEL_KEY in top_level else MODEL_PARALLEL_MODEL_KEY
         for fqn, md in metadata.state_dict_metadata.items():
-            path = tuple(paths.get(fqn, (fqn,)))
+            path = paths[fqn]
             is_object = isinstance(md, BytesStorageMetadata)
             if not is_object:
                 layout.tensor_md[fqn] = md
             match = _OPTIMIZER_KEY.match(str(path[0]))
-            if path[0] == MODEL_KEY and len(path) == 2:
+            if path[0] == model_key and len(path) == 2:
                 layout.model_fqn[path[1]] = fqn
                 if not is_object:
                     layout.model_shapes[path[1]] = md.size
