@@ -112,12 +112,9 @@ def save_full(
         if fabric_keys is None:
             checkpoint[OPTIMIZER_STATES_KEY] = [checkpoint.pop(k) for k in optimizer_keys]
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states), prefix=prefix)
-    atomic.atomic_file(
-        path,
-        lambda tmp: torch.save(checkpoint, tmp),
-        group=engine.group,
-        bytes_needed=tensor_bytes(checkpoint) if engine.rank == 0 else 0,
-    )
+    needed = tensor_bytes(checkpoint) if engine.rank == 0 else 0  # for a failure's message
+    write = lambda tmp: torch.save(checkpoint, tmp)  # noqa: E731
+    atomic.atomic_file(path, write, group=engine.group, bytes_needed=needed)
 
 
 def load_full(
@@ -133,11 +130,8 @@ def load_full(
     """Load a single-file checkpoint into ``engine`` and ``optimizers`` (every rank reads it).
 
     The file is memory-mapped, so each rank touches only the pages of its own
-    elements. Not collective.
-
-    ``expected`` names the entries of a Fabric file (see ``split_full_checkpoint``).
-    ``verify_checksums`` (default True) compares every zip entry with the CRC-32 torch
-    stored for it before loading ([Note: checksums on load]).
+    elements. Not collective. ``expected`` names the entries of a Fabric file (see
+    ``split_full_checkpoint``); ``verify_checksums``: [Note: checksums on load].
 
     Returns:
         The checkpoint without its weights and optimizer states.

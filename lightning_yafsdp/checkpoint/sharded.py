@@ -125,6 +125,30 @@ def save_sharded(
         optimizer_states = [
             sharded_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
         ]
+    state, meta = _dcp_state_and_meta(engine, model_state, optimizer_states, extra, prefix=prefix)
+    # [Note: hybrid sharding] every replica holds the same shards: only the first
+    # writes them, so each element is written once; DCP writes a whole tensor once.
+    writes_ranges = engine.mesh.replicate_rank == 0
+    bytes_here = tensor_bytes(state, sharded=writes_ranges, whole=engine.rank == 0)
+    with atomic.atomic_directory(path, group=engine.group, bytes_here=bytes_here) as tmp:
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp, sync_files=True),
+            planner=RangeSavePlanner(write_ranges=writes_ranges),
+            process_group=engine.group,
+        )
+        _write_meta_and_manifest(tmp, meta, engine)
+
+
+def _dcp_state_and_meta(
+    engine: YaFSDPEngine,
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Mapping[str, Any]],
+    extra: Mapping[str, Any] | None,
+    *,
+    prefix: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What DCP writes (weights, optimizers, sharded extras) and what ``meta.pt`` holds."""
     state: dict[str, Any] = {MODEL_KEY: to_flat_ranges(dict(model_state))}
     for i, optimizer_state in enumerate(optimizer_states):
         state[optimizer_key(i)] = to_flat_ranges(optimizer_state)
@@ -140,28 +164,20 @@ def save_sharded(
     meta[FORMAT_KEY] = format_info(
         engine, "sharded", len(optimizer_states), prefix=prefix, sharded_keys=sharded_keys
     )
-    # [Note: hybrid sharding] every replica holds the same shards: only the first
-    # writes them, so each element is written once; DCP writes a whole tensor once.
-    writes_ranges = engine.mesh.replicate_rank == 0
-    bytes_here = tensor_bytes(state, sharded=writes_ranges, whole=engine.rank == 0)
-    with atomic.atomic_directory(path, group=engine.group, bytes_here=bytes_here) as tmp:
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(tmp, sync_files=True),
-            planner=RangeSavePlanner(write_ranges=writes_ranges),
-            process_group=engine.group,
-        )
-        meta_failure = None
-        if engine.rank == 0:
-            try:
-                torch.save(meta, tmp / META_FILENAME)
-                atomic.fsync_file(tmp / META_FILENAME)
-            except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
-                meta_failure = exc
-        # Collective even when meta.pt failed, so no rank is left waiting in it.
-        write_manifest(
-            tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure
-        )
+    return state, meta
+
+
+def _write_meta_and_manifest(tmp: Path, meta: dict[str, Any], engine: YaFSDPEngine) -> None:
+    """Rank 0 writes ``meta.pt``; then every rank digests its files (collective)."""
+    meta_failure = None
+    if engine.rank == 0:
+        try:
+            torch.save(meta, tmp / META_FILENAME)
+            atomic.fsync_file(tmp / META_FILENAME)
+        except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
+            meta_failure = exc
+    # Collective even when meta.pt failed, so no rank is left waiting in it.
+    write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure)
 
 
 def format_info(
@@ -224,37 +240,19 @@ def load_sharded(
         CheckpointMismatchError: names, shapes, optimizer count or param groups differ.
     """
     path = Path(path)
-    _recover(path, engine)
-    verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
-    if not is_sharded_checkpoint(path):
-        raise NotACheckpointError(describe_non_checkpoint(path))
-    layout = CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
-    meta_file = path / META_FILENAME
-    meta = (
-        torch.load(meta_file, map_location="cpu", weights_only=False) if meta_file.is_file() else {}
-    )
+    layout = _verified_layout(path, engine, verify_checksums=verify_checksums)
+    meta = _read_meta(path)
     info = meta.get(FORMAT_KEY, {})
     index = build_index(engine, prefix=prefix)
     model = module_state(engine, prefix=prefix)
     _check_model_and_optimizer_count(path, layout, engine, model, len(optimizers), strict=strict)
     extra_keys = [k for k in info.get("sharded_keys", []) if k in layout.extras]
     objects = _read_objects(path, engine, layout.object_fqns(len(optimizers), extra_keys))
-    groups = []
-    for i, optimizer in enumerate(optimizers):
-        check_state_names(index, layout.optimizer_state.get(i, {}), what=f"optimizer {i}")
-        groups.append(
-            restored_param_groups(
-                index,
-                optimizer,
-                layout.param_groups(i, objects),
-                format_version=info.get("format_version", FORMAT_VERSION),
-            )
-        )
-    targets = {
-        layout.model_fqn[name]: as_flat_range(value) if isinstance(value, ShardedTensor) else value
-        for name, value in model.items()
-        if name in layout.model_shapes
-    }
+    groups = [
+        _checked_param_groups(index, layout, i, optimizer, objects, info)
+        for i, optimizer in enumerate(optimizers)
+    ]
+    targets = _model_targets(layout, model)
     states = [_optimizer_targets(index, layout, i, targets, objects) for i in range(len(groups))]
     extras = {key: _extra_targets(layout, key, model, targets, objects) for key in extra_keys}
     _read_tensors(path, engine, targets)
@@ -262,6 +260,51 @@ def load_sharded(
     for optimizer, param_groups, state in zip(optimizers, groups, states, strict=True):
         load_optimizer_state(index, optimizer, param_groups=param_groups, states=state)
     return {**meta, **{key: _rebuild(values) for key, values in extras.items()}}
+
+
+def _verified_layout(
+    path: Path, engine: YaFSDPEngine, *, verify_checksums: bool
+) -> CheckpointLayout:
+    """Recover an interrupted commit, verify every file, then read ``.metadata`` (collective)."""
+    _recover(path, engine)
+    verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
+    if not is_sharded_checkpoint(path):
+        raise NotACheckpointError(describe_non_checkpoint(path))
+    return CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
+
+
+def _model_targets(layout: CheckpointLayout, model: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP read targets of the weights: this rank's elements of each, by the stored name."""
+    return {
+        layout.model_fqn[name]: as_flat_range(value) if isinstance(value, ShardedTensor) else value
+        for name, value in model.items()
+        if name in layout.model_shapes
+    }
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_file = path / META_FILENAME
+    if not meta_file.is_file():
+        return {}
+    return torch.load(meta_file, map_location="cpu", weights_only=False)
+
+
+def _checked_param_groups(
+    index: ShardIndex,
+    layout: CheckpointLayout,
+    i: int,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Any],
+    info: Mapping[str, Any],
+) -> list[dict]:
+    """Optimizer ``i``'s saved param groups, checked against ``optimizer`` (nothing loaded)."""
+    check_state_names(index, layout.optimizer_state.get(i, {}), what=f"optimizer {i}")
+    return restored_param_groups(
+        index,
+        optimizer,
+        layout.param_groups(i, objects),
+        format_version=info.get("format_version", FORMAT_VERSION),
+    )
 
 
 def _check_model_and_optimizer_count(
@@ -290,10 +333,7 @@ def _check_model_and_optimizer_count(
 
 def read_format_info(path: str | os.PathLike) -> dict[str, Any]:
     """The ``"yafsdp"`` entry of a sharded checkpoint's ``meta.pt`` (``{}`` if absent)."""
-    meta_file = Path(path) / META_FILENAME
-    if not meta_file.is_file():
-        return {}
-    return torch.load(meta_file, map_location="cpu", weights_only=False).get(FORMAT_KEY, {})
+    return _read_meta(Path(path)).get(FORMAT_KEY, {})
 
 
 class CheckpointLayout:
