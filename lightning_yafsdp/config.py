@@ -354,7 +354,6 @@ class StrategyConfig:
 
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))
-        _check_choice("strategy", "verify_checksums", self.verify_checksums, (True, False))
         size = self.shard_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"strategy.shard_size={size!r}: a positive integer, or null")
