@@ -337,6 +337,9 @@ class StrategyConfig:
             replicate across the groups. ``null`` (default): one node's ranks when
             ``trainer.num_nodes > 1``, else every rank. ``yafsdp estimate`` shows the
             memory per rank it gives.
+        verify_checksums: Compare a resumed checkpoint's files with the CRC-32s recorded
+            at save before loading it (default true; ``strategy.verify_checksums=false``
+            on the command line skips it, e.g. for a checkpoint edited on purpose).
     """
 
     name: str = "yafsdp"
@@ -346,6 +349,7 @@ class StrategyConfig:
     activation_memory_gb: float | None = None
     sync_module_states: bool = False
     shard_size: int | None = None
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))

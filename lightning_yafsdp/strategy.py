@@ -140,6 +140,11 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             ``fit(ckpt_path=...)`` whatever this is set to. Saves are atomic. The
             strategy writes and reads checkpoints itself: ``checkpoint_io`` plugins and
             ``storage_options`` are not used.
+        verify_checksums: Before a checkpoint is loaded (``fit(ckpt_path=...)``), compare
+            every file with the CRC-32 recorded when it was saved, so a changed byte stops
+            the load naming the file instead of resuming on damaged weights. The ranks
+            share the reading; it costs about as much as reading the checkpoint once
+            more (see docs/user-guide.md). Default True; False checks sizes only.
         shard_size: Hybrid sharding (HSDP): parameters, grads and optimizer state are
             sharded over groups of this many consecutive ranks and replicated across
             the groups; gathers and reduce-scatters stay inside a group and each
@@ -172,6 +177,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        verify_checksums: bool = True,
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
         accelerator: Accelerator | None = None,
@@ -455,6 +461,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             engine=self.engine,
             optimizers=self.optimizers if fitting else (),
             strict=self.lightning_module.strict_loading,
+            verify_checksums=self._options.verify_checksums,
         )
         if FABRIC_KEYS not in checkpoint:
             return checkpoint

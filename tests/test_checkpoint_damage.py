@@ -214,12 +214,13 @@ def test_load_from_checkpoint_refuses_a_damaged_checkpoint(saved, tmp_path) -> N
     assert _tree_hash(checkpoint) == before
 
 
-def _fit_from(checkpoints: list[str]) -> list[tuple[str, str, bool]]:
+def _fit_from(checkpoints: list[str], **strategy_kwargs) -> list[tuple[str, str, bool]]:
     """Per checkpoint: the error's type and message, and whether the weights changed."""
     outcomes = []
     for checkpoint in checkpoints:
         model = CausalLMModule()
-        trainer = _trainer("yafsdp", str(Path(checkpoint).parent.parent))
+        strategy = YaFSDPStrategy(**strategy_kwargs)
+        trainer = _trainer(strategy, str(Path(checkpoint).parent.parent))
         weights = None
         try:
             trainer.fit(model, token_loader(4), ckpt_path=checkpoint)
@@ -256,3 +257,59 @@ def test_fit_from_a_damaged_checkpoint_stops_before_loading(saved, tmp_path) -> 
         assert rank1[1].startswith("rank 0 reported that checkpoint"), rank1
         assert rank0[2] and rank1[2], "the model's weights were changed"
         assert _tree_hash(checkpoint) == before[kind]
+
+
+def _flip_a_byte_in_the_middle(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other contents: only a checksum can tell
+    path.write_bytes(bytes(data))
+
+
+def _flipped_copies(saved: Path, tmp_path: Path) -> dict[str, tuple[Path, Path]]:
+    """``{kind: (checkpoint, flipped file)}``: rank 1's shard, and a single-file checkpoint."""
+    copies = {}
+    for kind, name, inside in (
+        ("flipped shard", "step-1.ckpt", "__1_0.distcp"),
+        ("flipped single file", "full-step-1.ckpt", None),
+    ):
+        folder = tmp_path / kind.replace(" ", "-") / "checkpoints"
+        folder.mkdir(parents=True)
+        copy = shutil.copytree if (saved / name).is_dir() else shutil.copy2
+        copy(saved / name, folder / name)
+        copy(saved / name, folder / "earlier.ckpt")
+        bad_file = folder / name / inside if inside else folder / name
+        _flip_a_byte_in_the_middle(bad_file)
+        copies[kind] = (folder / name, bad_file)
+    return copies
+
+
+def test_fit_from_a_checkpoint_with_a_flipped_byte_stops_before_loading(saved, tmp_path) -> None:
+    # Rank 1 compares the checksum of the shard it wrote, __1_0.distcp: rank 0 still
+    # names it ([Note: checksums on load]).
+    flipped = _flipped_copies(saved, tmp_path)
+    before = {kind: _tree_hash(ckpt) for kind, (ckpt, _) in flipped.items()}
+
+    ranks = dist_run(2, _fit_from, [str(c) for c, _ in flipped.values()], timeout_s=240)
+
+    for kind, rank0, rank1 in zip(flipped, ranks[0], ranks[1], strict=True):
+        checkpoint, bad_file = flipped[kind]
+        assert rank0[0] == "DamagedCheckpointError", rank0
+        message = rank0[1]
+        assert "\n" not in message.strip()
+        assert repr(str(bad_file)) in message, message
+        assert "does not match its checksum" in message, message
+        assert "verify_checksums=False" in message, message  # the way out, if on purpose
+        assert rank1[0] == "DamagedCheckpointError", rank1
+        assert rank1[1].startswith("rank 0 reported that checkpoint"), rank1
+        assert rank0[2] and rank1[2], "the model's weights were changed"
+        assert _tree_hash(checkpoint) == before[kind]
+
+
+def test_fit_with_verify_checksums_false_resumes_from_a_flipped_byte(saved, tmp_path) -> None:
+    flipped = _flipped_copies(saved, tmp_path)
+
+    ranks = dist_run(
+        2, _fit_from, [str(c) for c, _ in flipped.values()], verify_checksums=False, timeout_s=240
+    )
+
+    assert ranks[0] == ranks[1] == [("no error", "", False)] * 2

@@ -21,6 +21,7 @@ yafsdp and DDP, and every resume that lands at 2 ranks), ``_resumes_at_3``.
 from __future__ import annotations
 
 import gc
+import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -441,6 +442,8 @@ def _mark_version_1(directory: str, full_file: str) -> None:
     meta = torch.load(f"{directory}/meta.pt", weights_only=False)
     meta["yafsdp"]["format_version"] = 1
     torch.save(meta, f"{directory}/meta.pt")
+    # Version-1 directories predate the manifest (and this meta.pt no longer matches it).
+    os.remove(f"{directory}/yafsdp-manifest.json")
     consolidated = consolidate_checkpoint(directory)
     optimizer = consolidated["optimizer_0"]
     step = next(iter(optimizer["state"].values()))["step"]

@@ -55,6 +55,7 @@ class ShardingOptions:
     timeout: timedelta | None = default_pg_timeout
     process_group_backend: str | None = None
     state_dict_type: StateDictType = "sharded"
+    verify_checksums: bool = True
     shard_size: int | None = None
     device_mesh: Any = None  # a DeviceMesh or (replicas, shard_size)
 

@@ -90,16 +90,19 @@ def load_checkpoint(
     *,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a sharded directory or a full file into ``engine`` (and ``optimizers``).
 
     Works at any world size. Returns ``extra`` (or, for a Lightning checkpoint,
-    everything but weights and optimizer states). See ``load_sharded`` /
-    ``load_full`` for the errors.
+    everything but weights and optimizer states). Every file is first compared with
+    the checksums recorded at save unless ``verify_checksums=False``. See
+    ``load_sharded`` / ``load_full`` for the errors.
     """
-    if Path(path).is_file():
-        return load_full(path, engine, optimizers=optimizers, strict=strict)
-    return load_sharded(path, engine, optimizers=optimizers, strict=strict)
+    load = load_full if Path(path).is_file() else load_sharded
+    return load(
+        path, engine, optimizers=optimizers, strict=strict, verify_checksums=verify_checksums
+    )
 
 
 __all__ = [

@@ -149,14 +149,30 @@ def export_checkpoint(
             nothing was written.
         NotACheckpointError: ``checkpoint_dir`` is no checkpoint.
     """
-    if fmt not in ("safetensors", "pt"):
-        raise ValueError(f"fmt must be 'safetensors' or 'pt', got {fmt!r}")
     hf = hf or hf_config is not None
     _check_export_tools(fmt=fmt, hf=hf)
     out_dir = Path(out_dir)
     refuse_to_overwrite(out_dir, force=force)
     run_config_path = run_config if run_config is not None else find_run_config(checkpoint_dir)
     state = _strip(consolidated_state_dict(checkpoint_dir), strip_prefix)
+    state, config = _exported_state(
+        state, hf=hf, hf_config=hf_config, run_config_path=run_config_path, dtype=dtype
+    )
+    writers = {f"model.{fmt}": _weights_writer(state, fmt=fmt)}
+    if config is not None:
+        writers["config.json"] = config.to_json_file
+    return write_export_directory(out_dir, writers, force=force)[0]
+
+
+def _exported_state(
+    state: dict[str, torch.Tensor],
+    *,
+    hf: bool,
+    hf_config: Any,
+    run_config_path: str | os.PathLike | None,
+    dtype: torch.dtype | None,
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """The weights as exported (HF names, ``dtype``) and the HF config (None without ``hf``)."""
     config = None
     if hf:
         state, config = to_hugging_face(
@@ -168,14 +184,13 @@ def export_checkpoint(
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         if config is not None:
             config.dtype = dtype  # from_pretrained's dtype="auto" then keeps it
-    writers = {f"model.{fmt}": _weights_writer(state, fmt=fmt)}
-    if config is not None:
-        writers["config.json"] = config.to_json_file
-    return write_export_directory(out_dir, writers, force=force)[0]
+    return state, config
 
 
 def _check_export_tools(*, fmt: ExportFormat, hf: bool) -> None:
     """Refuse, before reading anything, an export whose writer or reader is missing."""
+    if fmt not in ("safetensors", "pt"):
+        raise ValueError(f"fmt must be 'safetensors' or 'pt', got {fmt!r}")
     if fmt == "safetensors" and not _importable("safetensors"):
         raise ExportError(
             "--format safetensors needs the safetensors package: pip install safetensors, "

@@ -106,12 +106,17 @@ def save_fabric_checkpoint(
 
 
 def load_fabric_checkpoint(
-    path: str | os.PathLike, state: dict[str, Any], *, strict: bool = True
+    path: str | os.PathLike,
+    state: dict[str, Any],
+    *,
+    strict: bool = True,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Restore ``state`` in place from a Fabric or Trainer checkpoint; return what is left.
 
     Collective. Checked before anything is loaded: the optimizers given match the
-    saved ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint.
+    saved ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint;
+    with ``verify_checksums`` (default) every file matches its checksums.
     """
     module_key, _, engine = sharded_module_in(state, action="load")
     given = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
@@ -136,6 +141,7 @@ def load_fabric_checkpoint(
         optimizers=list(optimizers.values()),
         strict=strict,
         expected={"module": module_key, "optimizers": list(optimizers)},
+        verify_checksums=verify_checksums,
     )
     for key in _RESERVED:
         rest.pop(key, None)
@@ -145,7 +151,9 @@ def load_fabric_checkpoint(
     return rest
 
 
-def load_raw_into(path: str | os.PathLike, obj: Any, *, strict: bool = True) -> None:
+def load_raw_into(
+    path: str | os.PathLike, obj: Any, *, strict: bool = True, verify_checksums: bool = True
+) -> None:
     """``fabric.load_raw``: a full state dict file (or our checkpoint's weights) into ``obj``."""
     if isinstance(obj, torch.optim.Optimizer):
         raise TypeError(
@@ -155,9 +163,9 @@ def load_raw_into(path: str | os.PathLike, obj: Any, *, strict: bool = True) -> 
         )
     engine = engine_of(obj, action="load_raw")
     if Path(path).is_dir():
-        load_sharded(path, engine, strict=strict)
+        load_sharded(path, engine, strict=strict, verify_checksums=verify_checksums)
     else:
-        load_full(path, engine, strict=strict)
+        load_full(path, engine, strict=strict, verify_checksums=verify_checksums)
 
 
 def check_trainer_can_resume(extras: Mapping[str, Any] | None, *, num_schedulers: int) -> None:

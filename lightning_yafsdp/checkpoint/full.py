@@ -45,7 +45,7 @@ from lightning_yafsdp.checkpoint.torch_layout import (
     named_from_torch_layout,
     to_torch_layout,
 )
-from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves
+from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.verify import verify_checkpoint
 from lightning_yafsdp.core import YaFSDPEngine
 
@@ -112,7 +112,9 @@ def save_full(
         if fabric_keys is None:
             checkpoint[OPTIMIZER_STATES_KEY] = [checkpoint.pop(k) for k in optimizer_keys]
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states), prefix=prefix)
-    atomic.atomic_file(path, lambda tmp: torch.save(checkpoint, tmp), group=engine.group)
+    needed = tensor_bytes(checkpoint) if engine.rank == 0 else 0  # for a failure's message
+    write = lambda tmp: torch.save(checkpoint, tmp)  # noqa: E731
+    atomic.atomic_file(path, write, group=engine.group, bytes_needed=needed)
 
 
 def load_full(
@@ -123,13 +125,13 @@ def load_full(
     prefix: str = "",
     strict: bool = True,
     expected: Mapping[str, Any] | None = None,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a single-file checkpoint into ``engine`` and ``optimizers`` (every rank reads it).
 
     The file is memory-mapped, so each rank touches only the pages of its own
-    elements. Not collective.
-
-    ``expected`` names the entries of a Fabric file (see ``split_full_checkpoint``).
+    elements. Not collective. ``expected`` names the entries of a Fabric file (see
+    ``split_full_checkpoint``); ``verify_checksums``: [Note: checksums on load].
 
     Returns:
         The checkpoint without its weights and optimizer states.
@@ -142,7 +144,7 @@ def load_full(
     path = Path(path)
     if not path.is_file():
         raise NotACheckpointError(describe_non_checkpoint(path))
-    verify_checkpoint(path)
+    verify_checkpoint(path, checksums=verify_checksums)
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     except Exception as exc:

@@ -70,6 +70,7 @@ def load_lightning_checkpoint(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
     expected: Mapping[str, Any] | None = None,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load weights and optimizer states in place; return the rest for Lightning to restore.
 
@@ -78,18 +79,33 @@ def load_lightning_checkpoint(
     state dict file (``expected``: the entry names of a Fabric file that does not record
     them, see ``full.split_full_checkpoint``). The returned dict's ``"state_dict"`` is the module's
     ``state_dict()`` after loading (sharded views), for hooks and callbacks that
-    read it (``WeightAveraging.on_load_checkpoint``).
+    read it (``WeightAveraging.on_load_checkpoint``). ``verify_checksums`` (default
+    True): see ``load_sharded``.
 
     Raises:
         DamagedCheckpointError: before anything is loaded, when a file of the checkpoint
-            is missing or truncated: rank 0 names the file, the other ranks point to rank 0.
+            is missing, truncated or changed since the save: rank 0 names the file, the
+            other ranks point to rank 0.
     """
     path = Path(path)
     if path.is_file():
         # load_full verifies on every rank (it is not collective); here rank 0 speaks first.
-        verify_on_rank_zero(path, group=engine.group)
-        rest = load_full(path, engine, optimizers=optimizers, strict=strict, expected=expected)
+        verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
+        rest = load_full(
+            path,
+            engine,
+            optimizers=optimizers,
+            strict=strict,
+            expected=expected,
+            verify_checksums=False,  # just compared, shared over the ranks
+        )
     else:  # recovers an interrupted commit, then verifies on rank 0
-        rest = load_sharded(path, engine, optimizers=optimizers, strict=strict)
+        rest = load_sharded(
+            path,
+            engine,
+            optimizers=optimizers,
+            strict=strict,
+            verify_checksums=verify_checksums,
+        )
     rest[STATE_DICT_KEY] = module_state(engine)
     return rest

@@ -10,8 +10,9 @@ commit]). The files were just written, so they are read back from the page cache
 CRC-32 runs at about 1.5 GB/s per rank, in parallel over ranks (0.18 s of a 1.9 s
 save of 121 MiB on 2 ranks sharing 2 busy cores). Verification ([Note: verify before
 reading]) checks the recorded sizes on every load, which gives the exact expected length
-of ``meta.pt`` and ``.metadata`` too; the checksums, which read every byte, only on request
-(``yafsdp inspect --verify``). Directories written before the manifest existed, or by
+of ``meta.pt`` and ``.metadata`` too; the checksums, which read every byte, on every load
+unless ``verify_checksums=False`` ([Note: checksums on load]) and with ``yafsdp inspect
+--verify``. Directories written before the manifest existed, or by
 Lightning's FSDP strategy, have none and verify by sizes from ``.metadata``.
 """
 

@@ -53,6 +53,7 @@ from lightning_yafsdp.checkpoint.trees import (
     has_sharded_leaves,
     lists_from_int_keys,
     set_nested,
+    tensor_bytes,
     to_flat_ranges,
 )
 from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
@@ -62,6 +63,9 @@ from lightning_yafsdp.core.sharded_param import ShardedTensor
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 DCP_METADATA_FILENAME = ".metadata"
 MODEL_KEY = "model"
+# Where Lightning's ModelParallelStrategy (FSDP2) keeps the weights in its DCP directories
+# (its FSDPStrategy, like us, uses "model"): read as the model when there is no "model".
+MODEL_PARALLEL_MODEL_KEY = "state_dict"
 FORMAT_KEY = "yafsdp"
 FORMAT_VERSION = 2  # 2: per-parameter optimizer groups with their real hyperparameters
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
@@ -121,6 +125,30 @@ def save_sharded(
         optimizer_states = [
             sharded_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
         ]
+    state, meta = _dcp_state_and_meta(engine, model_state, optimizer_states, extra, prefix=prefix)
+    # [Note: hybrid sharding] every replica holds the same shards: only the first
+    # writes them, so each element is written once; DCP writes a whole tensor once.
+    writes_ranges = engine.mesh.replicate_rank == 0
+    bytes_here = tensor_bytes(state, sharded=writes_ranges, whole=engine.rank == 0)
+    with atomic.atomic_directory(path, group=engine.group, bytes_here=bytes_here) as tmp:
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp, sync_files=True),
+            planner=RangeSavePlanner(write_ranges=writes_ranges),
+            process_group=engine.group,
+        )
+        _write_meta_and_manifest(tmp, meta, engine)
+
+
+def _dcp_state_and_meta(
+    engine: YaFSDPEngine,
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Mapping[str, Any]],
+    extra: Mapping[str, Any] | None,
+    *,
+    prefix: str,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What DCP writes (weights, optimizers, sharded extras) and what ``meta.pt`` holds."""
     state: dict[str, Any] = {MODEL_KEY: to_flat_ranges(dict(model_state))}
     for i, optimizer_state in enumerate(optimizer_states):
         state[optimizer_key(i)] = to_flat_ranges(optimizer_state)
@@ -136,26 +164,20 @@ def save_sharded(
     meta[FORMAT_KEY] = format_info(
         engine, "sharded", len(optimizer_states), prefix=prefix, sharded_keys=sharded_keys
     )
-    with atomic.atomic_directory(path, group=engine.group) as tmp:
-        dcp.save(
-            state,
-            storage_writer=FileSystemWriter(tmp, sync_files=True),
-            # [Note: hybrid sharding] every replica holds the same shards: only the
-            # first writes them, so each element is written once.
-            planner=RangeSavePlanner(write_ranges=engine.mesh.replicate_rank == 0),
-            process_group=engine.group,
-        )
-        meta_failure = None
-        if engine.rank == 0:
-            try:
-                torch.save(meta, tmp / META_FILENAME)
-                atomic.fsync_file(tmp / META_FILENAME)
-            except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
-                meta_failure = exc
-        # Collective even when meta.pt failed, so no rank is left waiting in it.
-        write_manifest(
-            tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure
-        )
+    return state, meta
+
+
+def _write_meta_and_manifest(tmp: Path, meta: dict[str, Any], engine: YaFSDPEngine) -> None:
+    """Rank 0 writes ``meta.pt``; then every rank digests its files (collective)."""
+    meta_failure = None
+    if engine.rank == 0:
+        try:
+            torch.save(meta, tmp / META_FILENAME)
+            atomic.fsync_file(tmp / META_FILENAME)
+        except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
+            meta_failure = exc
+    # Collective even when meta.pt failed, so no rank is left waiting in it.
+    write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure)
 
 
 def format_info(
@@ -188,6 +210,7 @@ def load_sharded(
     optimizers: Sequence[torch.optim.Optimizer] = (),
     prefix: str = "",
     strict: bool = True,
+    verify_checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a sharded checkpoint written at any world size into ``engine`` and ``optimizers``.
 
@@ -201,6 +224,9 @@ def load_sharded(
             ``()`` loads the weights only.
         strict: with False, parameters missing from the checkpoint keep their
             values and names only in the checkpoint are ignored.
+        verify_checksums: compare every file with the CRC-32 recorded at save before
+            reading it, the work shared over the ranks ([Note: checksums on load]).
+            Default True; False checks sizes and structure only.
 
     Returns:
         The contents of ``meta.pt`` (``extra`` of ``save_sharded``, or the rest of a
@@ -209,41 +235,24 @@ def load_sharded(
 
     Raises:
         NotACheckpointError: ``path`` is not a sharded checkpoint.
-        DamagedCheckpointError: a file is missing or truncated (rank 0 names it).
+        DamagedCheckpointError: a file is missing, truncated or (``verify_checksums``)
+            changed since the save (rank 0 names it).
         CheckpointMismatchError: names, shapes, optimizer count or param groups differ.
     """
     path = Path(path)
-    _recover(path, engine)
-    verify_on_rank_zero(path, group=engine.group)
-    if not is_sharded_checkpoint(path):
-        raise NotACheckpointError(describe_non_checkpoint(path))
-    layout = CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
-    meta_file = path / META_FILENAME
-    meta = (
-        torch.load(meta_file, map_location="cpu", weights_only=False) if meta_file.is_file() else {}
-    )
+    layout = _verified_layout(path, engine, verify_checksums=verify_checksums)
+    meta = _read_meta(path)
     info = meta.get(FORMAT_KEY, {})
     index = build_index(engine, prefix=prefix)
     model = module_state(engine, prefix=prefix)
     _check_model_and_optimizer_count(path, layout, engine, model, len(optimizers), strict=strict)
     extra_keys = [k for k in info.get("sharded_keys", []) if k in layout.extras]
     objects = _read_objects(path, engine, layout.object_fqns(len(optimizers), extra_keys))
-    groups = []
-    for i, optimizer in enumerate(optimizers):
-        check_state_names(index, layout.optimizer_state.get(i, {}), what=f"optimizer {i}")
-        groups.append(
-            restored_param_groups(
-                index,
-                optimizer,
-                layout.param_groups(i, objects),
-                format_version=info.get("format_version", FORMAT_VERSION),
-            )
-        )
-    targets = {
-        layout.model_fqn[name]: as_flat_range(value) if isinstance(value, ShardedTensor) else value
-        for name, value in model.items()
-        if name in layout.model_shapes
-    }
+    groups = [
+        _checked_param_groups(index, layout, i, optimizer, objects, info)
+        for i, optimizer in enumerate(optimizers)
+    ]
+    targets = _model_targets(layout, model)
     states = [_optimizer_targets(index, layout, i, targets, objects) for i in range(len(groups))]
     extras = {key: _extra_targets(layout, key, model, targets, objects) for key in extra_keys}
     _read_tensors(path, engine, targets)
@@ -251,6 +260,51 @@ def load_sharded(
     for optimizer, param_groups, state in zip(optimizers, groups, states, strict=True):
         load_optimizer_state(index, optimizer, param_groups=param_groups, states=state)
     return {**meta, **{key: _rebuild(values) for key, values in extras.items()}}
+
+
+def _verified_layout(
+    path: Path, engine: YaFSDPEngine, *, verify_checksums: bool
+) -> CheckpointLayout:
+    """Recover an interrupted commit, verify every file, then read ``.metadata`` (collective)."""
+    _recover(path, engine)
+    verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
+    if not is_sharded_checkpoint(path):
+        raise NotACheckpointError(describe_non_checkpoint(path))
+    return CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
+
+
+def _model_targets(layout: CheckpointLayout, model: Mapping[str, Any]) -> dict[str, Any]:
+    """DCP read targets of the weights: this rank's elements of each, by the stored name."""
+    return {
+        layout.model_fqn[name]: as_flat_range(value) if isinstance(value, ShardedTensor) else value
+        for name, value in model.items()
+        if name in layout.model_shapes
+    }
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_file = path / META_FILENAME
+    if not meta_file.is_file():
+        return {}
+    return torch.load(meta_file, map_location="cpu", weights_only=False)
+
+
+def _checked_param_groups(
+    index: ShardIndex,
+    layout: CheckpointLayout,
+    i: int,
+    optimizer: torch.optim.Optimizer,
+    objects: Mapping[str, Any],
+    info: Mapping[str, Any],
+) -> list[dict]:
+    """Optimizer ``i``'s saved param groups, checked against ``optimizer`` (nothing loaded)."""
+    check_state_names(index, layout.optimizer_state.get(i, {}), what=f"optimizer {i}")
+    return restored_param_groups(
+        index,
+        optimizer,
+        layout.param_groups(i, objects),
+        format_version=info.get("format_version", FORMAT_VERSION),
+    )
 
 
 def _check_model_and_optimizer_count(
@@ -279,10 +333,7 @@ def _check_model_and_optimizer_count(
 
 def read_format_info(path: str | os.PathLike) -> dict[str, Any]:
     """The ``"yafsdp"`` entry of a sharded checkpoint's ``meta.pt`` (``{}`` if absent)."""
-    meta_file = Path(path) / META_FILENAME
-    if not meta_file.is_file():
-        return {}
-    return torch.load(meta_file, map_location="cpu", weights_only=False).get(FORMAT_KEY, {})
+    return _read_meta(Path(path)).get(FORMAT_KEY, {})
 
 
 class CheckpointLayout:
@@ -303,14 +354,17 @@ class CheckpointLayout:
     @classmethod
     def from_metadata(cls, metadata: Metadata) -> CheckpointLayout:
         layout = cls()
-        paths = metadata.planner_data or {}
+        planner_paths = metadata.planner_data or {}
+        paths = {fqn: tuple(planner_paths.get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata}
+        top_level = {path[0] for path in paths.values()}
+        model_key = MODEL_KEY if MODEL_KEY in top_level else MODEL_PARALLEL_MODEL_KEY
         for fqn, md in metadata.state_dict_metadata.items():
-            path = tuple(paths.get(fqn, (fqn,)))
+            path = paths[fqn]
             is_object = isinstance(md, BytesStorageMetadata)
             if not is_object:
                 layout.tensor_md[fqn] = md
             match = _OPTIMIZER_KEY.match(str(path[0]))
-            if path[0] == MODEL_KEY and len(path) == 2:
+            if path[0] == model_key and len(path) == 2:
                 layout.model_fqn[path[1]] = fqn
                 if not is_object:
                     layout.model_shapes[path[1]] = md.size

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from lightning_yafsdp.checkpoint.ranges import FlatRange
 from lightning_yafsdp.core.sharded_param import ShardedTensor, local_of
 
@@ -96,3 +98,25 @@ def lists_from_int_keys(node: Any) -> Any:
     if converted and all(isinstance(k, int) for k in converted):
         return [converted[i] for i in sorted(converted)]
     return converted
+
+
+def tensor_bytes(tree: Any, *, sharded: bool = True, whole: bool = True) -> int:
+    """Bytes of the tensors in ``tree``: ``sharded`` ones (this rank's elements), ``whole`` ones.
+
+    For the message of a failed save ([Note: a failed write is one line]); pickled
+    objects are not counted.
+    """
+    total = 0
+
+    def count(_: Path, value: Any) -> Any:
+        nonlocal total
+        if isinstance(value, FlatRange) and sharded:
+            total += value.local.nbytes
+        elif isinstance(value, ShardedTensor) and sharded:
+            total += value._local.nbytes
+        elif isinstance(value, torch.Tensor) and not is_sharded_leaf(value) and whole:
+            total += value.nbytes
+        return value
+
+    map_leaves(tree, count)
+    return total

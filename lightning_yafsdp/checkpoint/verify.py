@@ -12,8 +12,9 @@ two small files, never the tensors:
   from older directories) exists and has its recorded size; ``.metadata`` exists and
   unpickles; ``meta.pt`` exists and is a complete torch (zip) file; every storage
   file that ``.metadata`` references exists and is at least as long as the largest
-  ``offset + length`` of its items. On request (``checksums=True``, ``yafsdp inspect
-  --verify``) every file's CRC-32 is compared with the manifest's.
+  ``offset + length`` of its items. With ``checksums=True`` (every load, unless
+  ``verify_checksums=False``: [Note: checksums on load]; ``yafsdp inspect --verify``)
+  every file's CRC-32 is compared with the manifest's.
 - single file: a torch zip file has its central directory (it is written last, so
   any truncation removes it) and every entry lies inside the file. A legacy
   (non-zip) ``torch.save`` file cannot be checked this way and is left to
@@ -40,6 +41,7 @@ from lightning_yafsdp.checkpoint.manifest import MANIFEST_FILENAME, file_digest,
 
 META_FILENAME = "meta.pt"  # sharded.META_FILENAME (sharded.py imports this module)
 _ZIP_MAGIC = b"PK\x03\x04"
+_READ_CHUNK_BYTES = 8 << 20
 # What was checked, as inspect shows it; a legacy pickle file only torch.load can check.
 CHECKED_BY_SIZES = "sizes and file structure"
 CHECKED_WITH_CHECKSUMS = "sizes, file structure and CRC-32 checksums"
@@ -53,8 +55,10 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> No
     Args:
         path: a sharded checkpoint directory or a single-file checkpoint.
         checksums: also compare every file of a sharded directory with the CRC-32
-            recorded at save ([Note: checkpoint manifest]); this reads every byte.
-            Default False: sizes and structure only (a few ``stat`` calls).
+            recorded at save ([Note: checkpoint manifest]), and every entry of a
+            single (zip) file with the CRC-32 torch stored for it; this reads every
+            byte. Default False: sizes and structure only (a few ``stat`` calls).
+            Loads pass True ([Note: checksums on load]).
 
     Raises:
         NotACheckpointError: ``path`` does not exist.
@@ -69,7 +73,11 @@ def verified_checks(path: str | os.PathLike, *, checksums: bool = False) -> str:
     """``verify_checkpoint``, returning what was checked (for ``inspect``'s table)."""
     path = Path(path)
     if path.is_file():
-        return _verify_torch_file(path, checkpoint=path)
+        checked = _verify_torch_file(path, checkpoint=path)
+        if checksums and checked == CHECKED_BY_SIZES:
+            _verify_zip_checksums(path, checkpoint=path)
+            return CHECKED_WITH_CHECKSUMS
+        return checked
     if looks_like_sharded_checkpoint(path):
         return _verify_directory(path, checksums=checksums)
     from lightning_yafsdp.checkpoint.sharded import describe_non_checkpoint
@@ -77,15 +85,16 @@ def verified_checks(path: str | os.PathLike, *, checksums: bool = False) -> str:
     raise NotACheckpointError(describe_non_checkpoint(path))
 
 
-def verify_on_rank_zero(path: str | os.PathLike, *, group=None) -> None:
+def verify_on_rank_zero(path: str | os.PathLike, *, group=None, checksums: bool = False) -> None:
     """``verify_checkpoint`` on rank 0 of ``group``; every rank raises if it failed.
 
     Collective when a process group is initialised. Rank 0 raises the full message;
     the other ranks a short one pointing to it, so a damaged checkpoint is
-    described once instead of once per rank.
+    described once instead of once per rank. With ``checksums`` the CRC-32s are
+    then compared too, the files shared out over the ranks ([Note: checksums on load]).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        verify_checkpoint(path)
+        verify_checkpoint(path, checksums=checksums)
         return
     error: Exception | None = None
     if dist.get_rank(group) == 0:
@@ -100,12 +109,45 @@ def verify_on_rank_zero(path: str | os.PathLike, *, group=None) -> None:
     if error is not None:
         raise error
     if outcome[0] is not None:
-        kind = (
-            NotACheckpointError if outcome[0] == "NotACheckpointError" else DamagedCheckpointError
-        )
-        raise kind(
-            f"rank 0 reported that checkpoint {str(path)!r} cannot be loaded (see its message)"
-        )
+        _raise_reported_by_rank_zero(path, outcome[0])
+    if checksums:
+        _compare_checksums_over_ranks(Path(path), group=group)
+
+
+def _raise_reported_by_rank_zero(path: str | os.PathLike, kind_name: str) -> NoReturn:
+    kind = NotACheckpointError if kind_name == "NotACheckpointError" else DamagedCheckpointError
+    raise kind(f"rank 0 reported that checkpoint {str(path)!r} cannot be loaded (see its message)")
+
+
+def _compare_checksums_over_ranks(path: Path, *, group) -> None:
+    """Each rank checks its share of the files; rank 0 raises the first mismatch found.
+
+    [Note: checksums on load]
+    A flipped bit inside a shard keeps every size right, so only the CRC-32 recorded in
+    the manifest ([Note: checkpoint manifest]) notices it; without it a resume trains on
+    the damaged weights and says nothing. Every load therefore compares the checksums
+    unless the user opts out (``verify_checksums=False``). Reading every byte is the
+    cost, so the work is shared: ``__<r>_<i>.distcp`` goes to rank ``r % world_size``
+    (at the same world size, the file that rank is about to read, which leaves it in
+    the page cache for DCP) and rank 0 takes the small files. One ``all_gather_object``
+    of the messages follows, so every rank stops before anything is loaded.
+    """
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    message = None
+    try:
+        if path.is_dir():
+            _verify_directory_checksums(path, rank=rank, world_size=world_size)
+        elif rank == 0:
+            _verify_zip_checksums(path, checkpoint=path)
+    except DamagedCheckpointError as exc:
+        message = str(exc)
+    messages: list[str | None] = [None] * world_size
+    dist.all_gather_object(messages, message, group=group)
+    found = [m for m in messages if m is not None]
+    if found and rank == 0:
+        raise DamagedCheckpointError(found[0])
+    if found:
+        _raise_reported_by_rank_zero(path, "DamagedCheckpointError")
 
 
 # -- sharded directories ---------------------------------------------------------------
@@ -148,16 +190,40 @@ def _verify_directory(path: Path, *, checksums: bool) -> str:
         return CHECKED_BY_SIZES
     if recorded is None:
         return NO_CHECKSUMS_RECORDED
-    for name, digest in recorded.items():
+    _compare_checksums(path, recorded)
+    return CHECKED_WITH_CHECKSUMS
+
+
+def _verify_directory_checksums(path: Path, *, rank: int, world_size: int) -> None:
+    """This rank's share of ``_compare_checksums`` (see [Note: checksums on load])."""
+    recorded = _recorded_digests(path) or {}
+    mine = {
+        name: digest
+        for name, digest in recorded.items()
+        if _checksum_rank(name, world_size) == rank
+    }
+    _compare_checksums(path, mine)
+
+
+def _checksum_rank(name: str, world_size: int) -> int:
+    """Which rank checks ``name``: the one that wrote it, modulo the world size."""
+    parts = name.split("_")
+    if name.startswith("__") and len(parts) >= 4 and parts[2].isdigit():
+        return int(parts[2]) % world_size
+    return 0
+
+
+def _compare_checksums(path: Path, recorded: dict[str, dict]) -> None:
+    for name, digest in sorted(recorded.items()):
         found = file_digest(path / name)["crc32"]
         if found != digest["crc32"]:
             _damaged(
                 path,
                 path / name,
                 f"does not match its checksum (CRC-32 {found}, {digest['crc32']} when saved): "
-                "its contents changed after the save",
+                "its contents changed after the save (if on purpose, load with "
+                "verify_checksums=False)",
             )
-    return CHECKED_WITH_CHECKSUMS
 
 
 def _recorded_digests(path: Path) -> dict[str, dict] | None:
@@ -213,9 +279,7 @@ def _verify_torch_file(path: Path, *, checkpoint: Path) -> str:
     """A ``torch.save`` file: not empty, and complete if it is a zip (every modern one)."""
     if path.stat().st_size == 0:
         _damaged(checkpoint, path, "is empty (0 bytes)")
-    with open(path, "rb") as stream:
-        is_zip = stream.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
-    if not is_zip:
+    if not _is_zip(path):
         return NOT_CHECKED
     _verify_zip(path, checkpoint=checkpoint)
     return CHECKED_BY_SIZES
@@ -237,6 +301,30 @@ def _verify_zip(path: Path, *, checkpoint: Path) -> None:
         end = entry.header_offset + entry.compress_size
         if end > size:
             _damaged(checkpoint, path, f"is truncated: {size:,} of at least {end:,} bytes")
+
+
+def _verify_zip_checksums(path: Path, *, checkpoint: Path) -> None:
+    """Every entry of a ``torch.save`` zip against the CRC-32 torch's writer stored for it."""
+    if not _is_zip(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                with archive.open(entry) as stream:
+                    while stream.read(_READ_CHUNK_BYTES):
+                        pass  # zipfile compares the CRC-32 at the entry's end
+    except (zipfile.BadZipFile, OSError) as exc:
+        _damaged(
+            checkpoint,
+            path,
+            f"does not match its checksums ({_first_line(exc)}): its contents changed after "
+            "the save (if on purpose, load with verify_checksums=False)",
+        )
+
+
+def _is_zip(path: Path) -> bool:
+    with open(path, "rb") as stream:
+        return stream.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC
 
 
 # -- the message -----------------------------------------------------------------------

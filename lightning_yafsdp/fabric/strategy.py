@@ -94,9 +94,10 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
     Takes the arguments of :class:`lightning_yafsdp.strategy.YaFSDPStrategy` (units,
     norm_classes, zero_stage, reduce_dtype, activation_checkpointing, param_init_fn,
     sync_module_states, cast_forward_inputs, timeout, process_group_backend,
-    state_dict_type, shard_size, device_mesh), documented there. ``state_dict_type``
-    decides how ``fabric.save`` writes; ``fabric.load`` reads either kind, and
-    checkpoints of the Trainer strategy.
+    state_dict_type, verify_checksums, shard_size, device_mesh), documented there.
+    ``state_dict_type`` decides how ``fabric.save`` writes; ``fabric.load`` reads either
+    kind, and checkpoints of the Trainer strategy, comparing checksums first unless
+    ``verify_checksums=False``.
 
     Raises:
         TypeError: for an argument this strategy does not take (with the replacement
@@ -119,6 +120,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
         timeout: timedelta | None = default_pg_timeout,
         process_group_backend: str | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
+        verify_checksums: bool = True,
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
         accelerator: Accelerator | None = None,
@@ -370,7 +372,9 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
     ) -> dict[str, Any]:
         path = self.broadcast(path)
         if isinstance(state, (nn.Module, Optimizer)):  # fabric.load_raw
-            load_raw_into(path, state, strict=strict)
+            load_raw_into(
+                path, state, strict=strict, verify_checksums=self._options.verify_checksums
+            )
             return {}
         if not state:
             raise ValueError(
@@ -379,7 +383,9 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
                 "checkpoint without a model, use lightning_yafsdp.checkpoint."
                 "consolidate_checkpoint(path)"
             )
-        return load_fabric_checkpoint(path, state, strict=strict)
+        return load_fabric_checkpoint(
+            path, state, strict=strict, verify_checksums=self._options.verify_checksums
+        )
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

@@ -1,0 +1,162 @@
+"""torch's own DCP tools read our sharded checkpoints.
+
+A 2-rank Trainer run (the model built eagerly, and on the meta device in
+``configure_model``) writes a sharded checkpoint; torch's
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` must turn it, with no
+code of ours, into a plain state dict under the original parameter names with full
+shapes, equal element for element to our consolidation and to the run's own full
+weights (gathered in the run).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
+
+from lightning_yafsdp.checkpoint import consolidate_checkpoint
+from lightning_yafsdp.strategy import YaFSDPStrategy
+from tests.distributed import dist_run
+from tests.lightning_models import CausalLMModule, token_loader
+
+
+def _fit_and_save(root: str, build: str) -> dict[str, torch.Tensor]:
+    trainer = pl.Trainer(
+        strategy="yafsdp",
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+    trainer.fit(CausalLMModule(build=build), token_loader(8))
+    trainer.save_checkpoint(f"{root}/step-2.ckpt")
+    # The trained weights, gathered, under the LightningModule's names ("model.layers.0...").
+    return trainer.strategy.engine.full_state_dict()
+
+
+@pytest.mark.parametrize("build", ["eager", "configure_model"])
+def test_dcp_to_torch_save_reads_our_checkpoint_as_a_plain_state_dict(tmp_path, build) -> None:
+    trained = dist_run(2, _fit_and_save, str(tmp_path), build, timeout_s=240)[0]
+    checkpoint = tmp_path / "step-2.ckpt"
+
+    dcp_to_torch_save(checkpoint, tmp_path / "out.pt")
+
+    plain = torch.load(tmp_path / "out.pt", weights_only=False)["model"]
+    ours = consolidate_checkpoint(checkpoint)["model"]
+    expected_shapes = {k: v.shape for k, v in CausalLMModule().state_dict().items()}
+    assert {k: v.shape for k, v in plain.items()} == expected_shapes
+    assert plain.keys() == ours.keys() == trained.keys()
+    for name, tensor in plain.items():
+        assert type(tensor) is torch.Tensor, name  # plain, full tensors
+        assert torch.equal(tensor, ours[name]), name
+        assert torch.equal(tensor, trained[name]), name
+
+
+# -- FSDP2 through Lightning's ModelParallelStrategy --------------------------------------
+
+
+class FSDP2Module(CausalLMModule):
+    """The same module, sharded by FSDP2's ``fully_shard`` (ModelParallelStrategy's way)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def _trainer(strategy, root: str, max_steps: int = 2) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+
+
+def _fsdp2() -> Any:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+
+
+def _full_weights_of(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
+    """Every weight of the trained module, whole, whichever strategy sharded it."""
+    if isinstance(trainer.strategy, YaFSDPStrategy):
+        return trainer.strategy.engine.full_state_dict()
+    return {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in trainer.lightning_module.state_dict().items()
+    }
+
+
+def _fsdp2_to_yafsdp(root: str) -> dict[str, dict[str, torch.Tensor]]:
+    trainer = _trainer(_fsdp2(), root)
+    trainer.fit(FSDP2Module(), token_loader(8))
+    trainer.save_checkpoint(f"{root}/fsdp2.ckpt")
+    saved = _full_weights_of(trainer)
+    torch.manual_seed(1)  # other weights, so a load that does nothing shows
+    module = CausalLMModule(build="configure_model")
+    trainer = _trainer("yafsdp", root)
+    trainer.validate(module, token_loader(4), ckpt_path=f"{root}/fsdp2.ckpt", verbose=False)
+    return {"saved": saved, "loaded": _full_weights_of(trainer)}
+
+
+def test_an_fsdp2_checkpoint_of_model_parallel_strategy_loads_into_yafsdp(tmp_path) -> None:
+    ranks = dist_run(2, _fsdp2_to_yafsdp, str(tmp_path), timeout_s=240)
+
+    for facts in ranks:
+        assert facts["loaded"].keys() == facts["saved"].keys()
+        for name, tensor in facts["saved"].items():
+            assert torch.equal(facts["loaded"][name], tensor), name
+
+
+def _yafsdp_to_fsdp2(root: str, consolidated: str) -> dict[str, dict[str, torch.Tensor]]:
+    saved = torch.load(consolidated, weights_only=False)["state_dict"]
+    torch.manual_seed(1)
+    trainer = _trainer(_fsdp2(), root)
+    trainer.validate(FSDP2Module(), token_loader(4), ckpt_path=consolidated, verbose=False)
+    return {"saved": saved, "loaded": _full_weights_of(trainer)}
+
+
+def test_our_checkpoint_consolidated_by_lightning_loads_into_model_parallel_strategy(
+    tmp_path,
+) -> None:
+    # ModelParallelStrategy reads the weights of a DCP directory under "state_dict",
+    # FSDPStrategy and we under "model" (what Lightning's consolidation expects), so the
+    # way from ours to FSDP2 is Lightning's own consolidation utility, then the file.
+    dist_run(2, _fit_and_save, str(tmp_path), "eager", timeout_s=240)
+    checkpoint = tmp_path / "step-2.ckpt"
+    command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint"]
+    subprocess.run([*command, str(checkpoint)], check=True, capture_output=True, timeout=120)
+
+    ranks = dist_run(2, _yafsdp_to_fsdp2, str(tmp_path), f"{checkpoint}.consolidated")
+
+    for facts in ranks:
+        assert facts["loaded"].keys() == facts["saved"].keys()
+        for name, tensor in facts["saved"].items():
+            assert torch.equal(facts["loaded"][name], tensor), name
