@@ -32,8 +32,8 @@ while [ $# -gt 0 ]; do
 done
 logs=$root/logs
 checkpoint=$root/checkpoint
+rm -rf "$logs" "$checkpoint"  # the summary below reads this run's logs only
 mkdir -p "$logs"
-rm -rf "$checkpoint"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 rows=()
 failures=0
