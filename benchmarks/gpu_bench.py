@@ -5,6 +5,9 @@ World size 1 (the lent device has one GPU): this measures the engine's own costs
 
     python benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 --steps 10 \
         --out results/gpu_bench.md
+
+``--device cpu`` (gloo, no memory statistics) runs the same code on a CPU, for
+``gpu_check.sh --dry-run``: ``--model tiny --batch 1 --seq 32 --steps 1 --warmup 0``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,22 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def _build(strategy: str, model_name: str):
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_memory(device: str) -> dict:
+    # The CPU dry run has no allocator statistics to report: zeros, not a guess.
+    stats = torch.cuda.memory_stats() if device == "cuda" else {}
+    return {
+        "peak_allocated_gib": stats.get("allocated_bytes.all.peak", 0) / 2**30,
+        "peak_reserved_gib": stats.get("reserved_bytes.all.peak", 0) / 2**30,
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+    }
+
+
+def _build(strategy: str, model_name: str, device: str):
     from lightning_yafsdp.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
@@ -36,42 +54,45 @@ def _build(strategy: str, model_name: str):
     for block in model.layers:
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    model.to_empty(device="cuda")
+    model.to_empty(device=device)
     model.init_weights()
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
 
 
 def _run(strategy: str, args) -> dict:
     torch.manual_seed(0)
-    torch.cuda.reset_peak_memory_stats()
-    model, optimizer = _build(strategy, args.model)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model, optimizer = _build(strategy, args.model, args.device)
     vocab = model.config.vocab_size
     times = []
     for step in range(args.warmup + args.steps):
-        tokens = torch.randint(0, vocab, (args.batch, args.seq), device="cuda")
-        torch.cuda.synchronize()
+        tokens = torch.randint(0, vocab, (args.batch, args.seq), device=args.device)
+        _synchronize(args.device)
         start = time.perf_counter()
         logits = model(tokens)
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        torch.cuda.synchronize()
+        _synchronize(args.device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
-    stats = torch.cuda.memory_stats()
     result = {
         "strategy": strategy,
         "median_step_s": statistics.median(times),
         "tokens_per_s": args.batch * args.seq / statistics.median(times),
-        "peak_allocated_gib": stats["allocated_bytes.all.peak"] / 2**30,
-        "peak_reserved_gib": stats["reserved_bytes.all.peak"] / 2**30,
-        "alloc_retries": stats["num_alloc_retries"],
+        **_peak_memory(args.device),
         "final_loss": loss.item(),
     }
     del model, optimizer, logits, loss
-    torch.cuda.empty_cache()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return result
+
+
+def _device_name(device: str) -> str:
+    return f"GPU ({torch.cuda.get_device_name(0)})" if device == "cuda" else "CPU (dry run)"
 
 
 def main() -> None:
@@ -82,11 +103,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--out", default=None, help="markdown table path (+ .json beside it)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     results = [_run(s, args) for s in ("yafsdp", "fsdp2", "yafsdp", "fsdp2")]  # interleaved
     rows = {}
     for r in results:
@@ -95,8 +118,8 @@ def main() -> None:
             rows[r["strategy"]] = r
     ours, peer = rows["yafsdp"], rows["fsdp2"]
     lines = [
-        f"{args.model}, bf16, batch {args.batch} x seq {args.seq}, 1 GPU "
-        f"({torch.cuda.get_device_name(0)}), best of 2 interleaved runs",
+        f"{args.model}, bf16, batch {args.batch} x seq {args.seq}, 1 {_device_name(args.device)}, "
+        "best of 2 interleaved runs",
         "",
         "| strategy | median step (s) | tokens/s | peak allocated (GiB) | peak reserved (GiB) "
         "| alloc retries | final loss |",
@@ -109,10 +132,10 @@ def main() -> None:
             f"| {r['alloc_retries']} | {r['final_loss']:.4f} |"
         )
     lines.append("")
-    lines.append(
-        f"yafsdp / fsdp2: step time {ours['median_step_s'] / peer['median_step_s']:.2f}x, "
-        f"peak allocated {ours['peak_allocated_gib'] / peer['peak_allocated_gib']:.2f}x"
-    )
+    ratio = f"yafsdp / fsdp2: step time {ours['median_step_s'] / peer['median_step_s']:.2f}x"
+    if args.device == "cuda":
+        ratio += f", peak allocated {ours['peak_allocated_gib'] / peer['peak_allocated_gib']:.2f}x"
+    lines.append(ratio)
     table = "\n".join(lines)
     print(table)
     if args.out:
