@@ -65,7 +65,9 @@ _FAMILIES = {
 }
 
 
-def _build(family: str, compile_mode: str, hf_checkpointing: bool) -> nn.Module:
+def _build(
+    family: str, compile_mode: str, hf_checkpointing: bool, backend: str = _BACKEND
+) -> nn.Module:
     build, blocks_of = _FAMILIES[family]
     torch.manual_seed(0)
     hf_model = build()
@@ -76,10 +78,10 @@ def _build(family: str, compile_mode: str, hf_checkpointing: bool) -> nn.Module:
         hf_model.gradient_checkpointing_enable({"use_reentrant": False})
     if compile_mode == "block":
         for block in blocks_of(hf_model):
-            block.compile(backend=_BACKEND)
+            block.compile(backend=backend)
     model = LogitsOf(hf_model)
     if compile_mode == "whole":
-        model = torch.compile(model, backend=_BACKEND)
+        model = torch.compile(model, backend=backend)
     return model
 
 
@@ -91,12 +93,13 @@ def _fit(
     precision: str = "32-true",
     ours_checkpointing: bool = False,
     hf_checkpointing: bool = False,
+    backend: str = _BACKEND,
 ) -> dict:
     torch._dynamo.reset()
     if strategy == "yafsdp" and ours_checkpointing:
         strategy = YaFSDPStrategy(activation_checkpointing="all")
     fabric = fl.make_fabric(strategy, precision)
-    model = fabric.setup_module(_build(family, compile_mode, hf_checkpointing))
+    model = fabric.setup_module(_build(family, compile_mode, hf_checkpointing, backend))
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=fl.LR))
     start = _full_weights(model)
     norms: list[float] = []
@@ -214,3 +217,22 @@ def test_the_strategys_activation_checkpointing_under_compile_matches_compiled_d
 @pytest.mark.parametrize("mode", ["block", "whole"])
 def test_hf_gradient_checkpointing_under_compile_matches_compiled_ddp_with_it(runs, mode):
     _assert_same_training(runs[f"yafsdp-hf-ac-{mode}"], runs["ddp-hf-ac-block"])
+
+
+# -- inductor ----------------------------------------------------------------------------
+
+
+def _inductor_runs() -> dict:
+    return {
+        strategy: _fit(strategy, "llama", "block", backend="inductor")
+        for strategy in ("ddp", "yafsdp")
+    }
+
+
+def test_per_block_inductor_compile_matches_inductor_compiled_ddp(tmp_path, monkeypatch):
+    # Inductor generates and builds C++ kernels with the machine's g++ (its cache in tmp).
+    # Its kernels are not eager's, but each is the same under both strategies: measured
+    # 8.6e-6 of the update (clipping norm order, as eager), losses equal.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    runs = dist_run(2, _inductor_runs, timeout_s=400)[0]
+    _assert_same_training(runs["yafsdp"], runs["ddp"])
