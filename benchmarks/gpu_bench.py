@@ -5,6 +5,10 @@ World size 1 (the lent device has one GPU): this measures the engine's own costs
 
     python benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 --steps 10 \
         --out results/gpu_bench.md
+    python benchmarks/gpu_bench.py --compile --out results/gpu_bench_compile.md
+
+``--compile`` compiles each block (``block.compile()``, inductor) before either strategy
+shards the model: the per-block compile docs/user-guide.md recommends.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 
-def _build(strategy: str, model_name: str):
+def _build(strategy: str, model_name: str, compile_blocks: bool):
     from lightning_yafsdp.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
         model = Llama(LlamaConfig.from_name(model_name))
+    if compile_blocks:  # before sharding, as the user guide recommends
+        for block in model.layers:
+            block.compile()
     if strategy == "yafsdp":
         from lightning_yafsdp.core import shard_model
 
@@ -44,7 +51,7 @@ def _build(strategy: str, model_name: str):
 def _run(strategy: str, args) -> dict:
     torch.manual_seed(0)
     torch.cuda.reset_peak_memory_stats()
-    model, optimizer = _build(strategy, args.model)
+    model, optimizer = _build(strategy, args.model, args.compile)
     vocab = model.config.vocab_size
     times = []
     for step in range(args.warmup + args.steps):
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile each block (inductor)")
     parser.add_argument("--out", default=None, help="markdown table path (+ .json beside it)")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -95,7 +103,8 @@ def main() -> None:
             rows[r["strategy"]] = r
     ours, peer = rows["yafsdp"], rows["fsdp2"]
     lines = [
-        f"{args.model}, bf16, batch {args.batch} x seq {args.seq}, 1 GPU "
+        f"{args.model}, bf16, {'blocks compiled (inductor), ' if args.compile else ''}"
+        f"batch {args.batch} x seq {args.seq}, 1 GPU "
         f"({torch.cuda.get_device_name(0)}), best of 2 interleaved runs",
         "",
         "| strategy | median step (s) | tokens/s | peak allocated (GiB) | peak reserved (GiB) "

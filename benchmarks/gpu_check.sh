@@ -22,3 +22,4 @@ fi
 echo "== yafsdp vs FSDP2, llama-1b bf16" | tee -a "$out/summary.txt"
 timeout 300 python3 benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 \
     --steps 8 --warmup 3 --out "$out/gpu_bench.md" 2>&1 | tee -a "$out/summary.txt"
+timeout 300 python3 benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 --steps 8 --warmup 3 --compile --out "$out/gpu_bench_compile.md" 2>&1 | tee -a "$out/summary.txt"
