@@ -6,6 +6,11 @@ World size 1 (the lent device has one GPU): this measures the engine's own costs
     python benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 --steps 10 \
         --out results/gpu_bench.md
 
+    python benchmarks/gpu_bench.py --compile --out results/gpu_bench_compile.md
+
+``--compile`` compiles each block (``block.compile()``, inductor) before either strategy
+shards the model: the per-block compile docs/user-guide.md recommends.
+
 ``--device cpu`` (gloo, no memory statistics) runs the same code on a CPU, for
 ``gpu_check.sh --dry-run``: ``--model tiny --batch 1 --seq 32 --steps 1 --warmup 0``.
 """
@@ -38,11 +43,14 @@ def _peak_memory(device: str) -> dict:
     }
 
 
-def _build(strategy: str, model_name: str, device: str):
+def _build(strategy: str, model_name: str, device: str, compile_blocks: bool):
     from lightning_yafsdp.models.llama import Llama, LlamaConfig
 
     with torch.device("meta"):
         model = Llama(LlamaConfig.from_name(model_name))
+    if compile_blocks:  # before sharding, as the user guide recommends
+        for block in model.layers:
+            block.compile()
     if strategy == "yafsdp":
         from lightning_yafsdp.core import shard_model
 
@@ -63,7 +71,7 @@ def _run(strategy: str, args) -> dict:
     torch.manual_seed(0)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model, optimizer = _build(strategy, args.model, args.device)
+    model, optimizer = _build(strategy, args.model, args.device, args.compile)
     vocab = model.config.vocab_size
     times = []
     for step in range(args.warmup + args.steps):
@@ -102,6 +110,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="compile each block (inductor)")
     parser.add_argument("--out", default=None, help="markdown table path (+ .json beside it)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
@@ -118,7 +127,8 @@ def main() -> None:
             rows[r["strategy"]] = r
     ours, peer = rows["yafsdp"], rows["fsdp2"]
     lines = [
-        f"{args.model}, bf16, batch {args.batch} x seq {args.seq}, 1 {_device_name(args.device)}, "
+        f"{args.model}, bf16, {'blocks compiled (inductor), ' if args.compile else ''}"
+        f"batch {args.batch} x seq {args.seq}, 1 {_device_name(args.device)}, "
         "best of 2 interleaved runs",
         "",
         "| strategy | median step (s) | tokens/s | peak allocated (GiB) | peak reserved (GiB) "

@@ -102,3 +102,6 @@ step "CUDA tests" \
 step "yafsdp vs FSDP2, llama-1b bf16" \
     timeout 300 python3 benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 \
     --steps 8 --warmup 3 --out "$out/gpu_bench.md"
+step "yafsdp vs FSDP2, llama-1b bf16, blocks compiled (inductor)" \
+    timeout 300 python3 benchmarks/gpu_bench.py --model llama-1b --batch 2 --seq 2048 \
+    --steps 8 --warmup 3 --compile --out "$out/gpu_bench_compile.md"

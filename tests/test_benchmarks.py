@@ -139,3 +139,17 @@ def test_overhead_ratios_and_goals_use_the_floor():
     assert compare.overheads(summaries) == {}
     assert compare.render_overhead_table(summaries, ratios) is None
     assert {g["key"]: g["met"] for g in compare.goal_results(ratios)}["overhead_vs_fsdp2"] is None
+
+
+def test_compiled_runs_are_judged_by_the_compiled_goals():
+    summaries = {n: _summary(t) for n, t in [("yafsdp", 1.0), ("ddp", 1.0), ("fsdp2", 1.2)]}
+    for s in summaries.values():
+        s["timing_runs_memory"]["peak_rss_mib_per_rank"] = [100.0]
+    ratios = compare.compute_ratios(summaries)
+    goals = {g["key"]: g for g in compare.goal_results(ratios, compare.COMPILE_GOALS)}
+    assert set(goals) == {"step_vs_ddp", "step_vs_fsdp2"}
+    assert goals["step_vs_ddp"]["goal"] == 1.10 and goals["step_vs_ddp"]["met"]
+    # 1.0 / 1.2 = 0.83x FSDP2's compiled step: under the 0.90x goal.
+    assert goals["step_vs_fsdp2"]["goal"] == 0.90 and goals["step_vs_fsdp2"]["met"]
+    table = compare.render_table(summaries, ratios, 1024, compare.COMPILE_GOALS)
+    assert "0.83x (met, goal <= 0.90x)" in table

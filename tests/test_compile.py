@@ -46,13 +46,16 @@ class CompiledLM(CausalLMModule):
             self.model = torch.compile(self.model, backend=_BACKEND)
 
 
-def _fit(strategy: str, compile_mode: str, build: str = "eager") -> dict:
+def _fit(
+    strategy: str, compile_mode: str, build: str = "eager", nested_graph_breaks: bool = False
+) -> dict:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
     model = CompiledLM(compile_mode=compile_mode, build=build)
     trainer = _trainer(strategy, accumulate_grad_batches=1, gradient_clip_val=None)
-    trainer.fit(model, token_loader(TRAIN_ROWS // 2))
+    with torch._dynamo.config.patch(nested_graph_breaks=nested_graph_breaks):
+        trainer.fit(model, token_loader(TRAIN_ROWS // 2))
     weights = full_weights(trainer, model)
     return {
         "losses": model.train_losses,
@@ -60,6 +63,7 @@ def _fit(strategy: str, compile_mode: str, build: str = "eager") -> dict:
         "graph_breaks": sum(counters["graph_break"].values()),
         "recompiles": sum(counters["recompiles"].values()),
         "unique_graphs": counters["stats"]["unique_graphs"],
+        "units": len(trainer.strategy.engine.units) if strategy == "yafsdp" else None,
     }
 
 
@@ -71,6 +75,7 @@ def _runs() -> dict:
         "yafsdp-eager-meta": _fit("yafsdp", "none", build="configure_model"),
         "ddp-whole": _fit("ddp", "whole"),
         "yafsdp-whole": _fit("yafsdp", "whole"),
+        "yafsdp-whole-nested": _fit("yafsdp", "whole", nested_graph_breaks=True),
     }
 
 
@@ -131,10 +136,23 @@ def test_whole_model_compile_breaks_only_at_engine_hooks(runs):
     for run in runs:
         whole = run["yafsdp-whole"]
         assert whole["recompiles"] == 0, whole
-        # Measured 6 on HF Llama (2 blocks, embedding and head as root units): one per
-        # unit whose pre-forward hook sits inside a traced frame, plus the begin-forward
-        # hooks of the root, the decoder and the final norm's owner.
-        assert 0 < whole["graph_breaks"] <= 6, whole
+        # At most one break per unit boundary: measured 6 on this HF Llama's 6 units (4
+        # blocks, the embedding and the head as root units). Dynamo's default bubbles a
+        # break inside a nested module call up to the outermost frame, which breaks at
+        # its call site and is traced again from there, so one hook can count more than
+        # once (the count is not one per unit: see the nested test below).
+        assert 0 < whole["graph_breaks"] <= whole["units"] == 6, whole
+
+
+def test_whole_model_compile_breaks_at_most_once_per_unit_with_nested_graph_breaks(runs):
+    # torch._dynamo.config.nested_graph_breaks=True resumes tracing in the frame that
+    # broke: each engine hook met inside the compiled model breaks once. Measured 4 on
+    # this HF Llama's 6 units. Training is unchanged.
+    for run in runs:
+        nested = run["yafsdp-whole-nested"]
+        assert nested["recompiles"] == 0, nested
+        assert 0 < nested["graph_breaks"] <= 4, nested
+    _assert_matches(runs, "yafsdp-whole-nested", "ddp-whole")
 
 
 def _compiled_read_outside_units() -> str:
