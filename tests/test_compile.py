@@ -137,11 +137,10 @@ def test_whole_model_compile_breaks_only_at_engine_hooks(runs):
         assert 0 < whole["graph_breaks"] <= 6, whole
 
 
-
 def _compiled_read_outside_units() -> str:
     import transformers
 
-    from lightning_yafsdp.core.sharding import shard_model
+    from lightning_yafsdp.core.plan.sharding import shard_model
     from tests.lightning_models import hf_llama_config, tiny_llama_config
 
     model = transformers.LlamaForCausalLM(hf_llama_config(tiny_llama_config()))

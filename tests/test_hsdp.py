@@ -212,9 +212,7 @@ def _save_on_every_mesh(root: str) -> dict:
         model, engine, optimizer = sc.build_sharded(shard_size=shard_size)
         sc.train_steps(model, optimizer, range(3))
         save_checkpoint(f"{root}/{name}", engine, optimizers=[optimizer])
-        save_checkpoint(
-            f"{root}/{name}.pt", engine, optimizers=[optimizer], state_dict_type="full"
-        )
+        save_checkpoint(f"{root}/{name}.pt", engine, optimizers=[optimizer], state_dict_type="full")
         facts[f"{name}-saved"] = sc.full_weights(engine)
         sc.train_steps(model, optimizer, range(3, 6))
         facts[f"{name}-continued"] = sc.full_weights(engine)
@@ -243,6 +241,7 @@ def saved_at_4(tmp_path_factory) -> tuple[Path, dict]:
 
 def test_only_the_first_replica_writes_weights_and_optimizer_state(saved_at_4):
     _, facts = saved_at_4
+
     # Ranks 2 and 3 (the second replica) write only what DCP spreads over all ranks
     # (param group hyperparameters, scalar ``step`` counters), never a weight or a
     # per-element state tensor.
@@ -342,7 +341,7 @@ def test_fabric_hsdp_2x2_equals_ddp_losses_clipping_norms_and_weights():
 
 
 def test_the_default_shards_inside_one_node_on_several_nodes_and_over_all_ranks_on_one():
-    from lightning_yafsdp.core.mesh import default_shard_size
+    from lightning_yafsdp.core.comm.mesh import default_shard_size
 
     assert default_shard_size(None, world_size=16, num_nodes=2) == 8
     assert default_shard_size(None, world_size=8, num_nodes=1) == 8

@@ -17,8 +17,8 @@ from torch import nn
 
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
-from lightning_yafsdp.core.materialize import Materializer
-from lightning_yafsdp.core.mesh import ShardMesh
+from lightning_yafsdp.core.comm.mesh import ShardMesh
+from lightning_yafsdp.core.plan.materialize import Materializer
 from lightning_yafsdp.model_checks import check_single_device, check_still_sharded
 
 
@@ -51,7 +51,7 @@ def shard_module(
     check_single_device(module)
     built_on_meta = any(p.is_meta for p in module.parameters())
     if not built_on_meta:
-        # [Note: meta buffers beside loaded parameters] in core/materialize.py. The seed
+        # [Note: meta buffers beside loaded parameters] in core/plan/materialize.py. The seed
         # is fixed, so every rank derives the same values without a collective.
         Materializer(module, device=device, init_fn=None, seed=0).materialize_meta_buffers()
         module.to(device)

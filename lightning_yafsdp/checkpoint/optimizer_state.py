@@ -39,7 +39,7 @@ from lightning_yafsdp.checkpoint.state import gather_shards
 from lightning_yafsdp.checkpoint.torch_layout import to_torch_layout
 from lightning_yafsdp.checkpoint.trees import as_flat_range, map_leaves
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 

@@ -57,7 +57,7 @@ from lightning_yafsdp.checkpoint.trees import (
 )
 from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 DCP_METADATA_FILENAME = ".metadata"

@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from lightning_yafsdp.core import compat
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.mesh import ShardMesh
+    from lightning_yafsdp.core.comm.mesh import ShardMesh
 
 # The torch-version shims (2.11 lacks the ``*_single`` names) live in core/compat.py.
 _all_gather_single = compat.all_gather_single

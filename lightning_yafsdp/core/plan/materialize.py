@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_yafsdp.core.collectives import CommStats, broadcast_
+from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_
 
 # A module may carry, under this attribute of its ``__dict__``, a source of saved values
 # for the meta tensors of the model (e.g. a safetensors checkpoint; see

@@ -19,21 +19,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_yafsdp.core.buffers import GatherStaging
-from lightning_yafsdp.core.collectives import CommStats, broadcast_, check_reduce_dtype
+from lightning_yafsdp.core.comm.buffers import GatherStaging
+from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_, check_reduce_dtype
+from lightning_yafsdp.core.comm.mesh import ShardMesh, resolve_mesh
 from lightning_yafsdp.core.compat import outside_compile
-from lightning_yafsdp.core.engine import YaFSDPEngine
-from lightning_yafsdp.core.flat_group import ParamOwner
-from lightning_yafsdp.core.grads import ShardGrads
-from lightning_yafsdp.core.group_spec import GroupSpec
-from lightning_yafsdp.core.layer import ShardedUnit
-from lightning_yafsdp.core.layout import FlatLayout
-from lightning_yafsdp.core.materialize import Materializer, draw_init_seed
-from lightning_yafsdp.core.mesh import ShardMesh, resolve_mesh
-from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
-from lightning_yafsdp.core.resident import ResidentGroup
-from lightning_yafsdp.core.root_units import split_root
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.grads import ShardGrads
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.plan.group_spec import GroupSpec
+from lightning_yafsdp.core.plan.materialize import Materializer, draw_init_seed
+from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
+from lightning_yafsdp.core.plan.root_units import split_root
+from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
+from lightning_yafsdp.core.runtime.flat_group import ParamOwner
+from lightning_yafsdp.core.runtime.layout import FlatLayout
+from lightning_yafsdp.core.runtime.resident import ResidentGroup
+from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 NORM_GROUP = "<norms>"
 ROOT_GROUP = "<root>"
@@ -105,7 +105,7 @@ def shard_model(
             right before it is flattened and sharded, so no rank ever holds
             the whole unsharded model. Default: the model's own scheme,
             ``reset_parameters()`` of each module and, inside a Hugging Face
-            ``PreTrainedModel``, its ``_init_weights`` (see ``core/materialize.py``).
+            ``PreTrainedModel``, its ``_init_weights`` (see ``core/plan/materialize.py``).
             Each group is initialized under a seed equal on every rank; anything
             left uninitialized raises, naming the tensor.
 

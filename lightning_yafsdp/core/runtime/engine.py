@@ -18,23 +18,23 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lightning_yafsdp.core.buffers import GatherStaging, GradBuffer, WeightBuffer
-from lightning_yafsdp.core.collectives import (
+from lightning_yafsdp.core.comm.buffers import GatherStaging, GradBuffer, WeightBuffer
+from lightning_yafsdp.core.comm.collectives import (
     CommStats,
     all_gather_into,
     all_reduce_,
     reduce_scatter_into,
     replicate_all_reduce,
 )
-from lightning_yafsdp.core.flat_group import FlatParamGroup
-from lightning_yafsdp.core.grads import ShardGrads
-from lightning_yafsdp.core.layer import ShardedUnit, UnitState
-from lightning_yafsdp.core.mesh import ShardMesh
-from lightning_yafsdp.core.optim_step import OptimizerStepSwap
-from lightning_yafsdp.core.order_guard import CollectiveOrderGuard
-from lightning_yafsdp.core.resident import ResidentGroup
-from lightning_yafsdp.core.sharded_param import ShardedTensor
-from lightning_yafsdp.core.streams import CommScheduler, PendingReduce, ScheduleEvent
+from lightning_yafsdp.core.comm.mesh import ShardMesh
+from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
+from lightning_yafsdp.core.comm.streams import CommScheduler, PendingReduce, ScheduleEvent
+from lightning_yafsdp.core.optim.grads import ShardGrads
+from lightning_yafsdp.core.optim.optim_step import OptimizerStepSwap
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
+from lightning_yafsdp.core.runtime.resident import ResidentGroup
+from lightning_yafsdp.core.runtime.unit import ShardedUnit, UnitState
 
 
 class EnginePhase(enum.Enum):
