@@ -57,10 +57,6 @@ def check_optimizers_hold_model_params(
             )
 
 
-def has_meta_parameters(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
-
-
 def check_single_device(module: nn.Module) -> None:
     meta = [name for name, p in module.named_parameters() if p.is_meta]
     real = [name for name, p in module.named_parameters() if not p.is_meta]

@@ -277,14 +277,6 @@ def _check_model_and_optimizer_count(
         )
 
 
-def read_format_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``"yafsdp"`` entry of a sharded checkpoint's ``meta.pt`` (``{}`` if absent)."""
-    meta_file = Path(path) / META_FILENAME
-    if not meta_file.is_file():
-        return {}
-    return torch.load(meta_file, map_location="cpu", weights_only=False).get(FORMAT_KEY, {})
-
-
 class CheckpointLayout:
     """What a DCP checkpoint holds, by original name, read from its ``.metadata`` alone."""
 

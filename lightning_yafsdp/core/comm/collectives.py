@@ -66,11 +66,6 @@ def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
     return None
 
 
-def kept_works() -> list[dist.Work]:
-    """The works of the latest CPU collectives, newest last (for tests)."""
-    return list(_recent_cpu_works)
-
-
 @dataclass
 class CommStats:
     """Running count of collectives and bytes by kind (bytes sent+received by this rank's calls).

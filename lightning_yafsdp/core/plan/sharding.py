@@ -185,7 +185,6 @@ def shard_model(
         buffer_sizes=_unit_buffer_sizes(plan, zero_stage),
         cast_forward_inputs=cast_forward_inputs,
     )
-    engine.zero_stage = zero_stage
     if master_dtype != param_dtype:
         slots = _unit_buffer_sizes(plan, zero_stage)
         engine.gather_staging = GatherStaging(slots.grad_shards, dtype=param_dtype, device=device)
