@@ -26,7 +26,11 @@ from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 from lightning_yafsdp.core.plan.group_spec import GroupSpec
-from lightning_yafsdp.core.plan.materialize import Materializer, draw_init_seed
+from lightning_yafsdp.core.plan.materialize import (
+    Materializer,
+    ModelInitFactory,
+    draw_init_seed,
+)
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.plan.root_units import split_root
 from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
@@ -57,6 +61,7 @@ def shard_model(
     sync_module_states: bool = False,
     cast_forward_inputs: bool = True,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    model_init: ModelInitFactory | None = None,
 ) -> YaFSDPEngine:
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
@@ -104,10 +109,13 @@ def shard_model(
             buffers) right after it is materialized on the target device and
             right before it is flattened and sharded, so no rank ever holds
             the whole unsharded model. Default: the model's own scheme,
-            ``reset_parameters()`` of each module and, inside a Hugging Face
-            ``PreTrainedModel``, its ``_init_weights`` (see ``core/plan/materialize.py``).
+            ``reset_parameters()`` of each module, then the ``model_init`` family's.
             Each group is initialized under a seed equal on every rank; anything
             left uninitialized raises, naming the tensor.
+        model_init: how the model's family initializes beyond ``reset_parameters()``
+            (``core/plan/materialize.py``, ``ModelInitFactory``); for Hugging Face and
+            peft models ``lightning_yafsdp.hf_init.hf_model_init``, which both
+            strategies pass. None: torch's convention only.
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -158,7 +166,9 @@ def shard_model(
     init_on = None
     if built_on_meta:
         seed = draw_init_seed(group, device, stats=stats)
-        init_on = Materializer(module, device=device, init_fn=param_init_fn, seed=seed)
+        init_on = Materializer(
+            module, device=device, init_fn=param_init_fn, seed=seed, model_init=model_init
+        )
     fill = dict(
         rank=rank,
         group=group,
