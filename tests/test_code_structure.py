@@ -4,6 +4,11 @@
   (compat <- comm <- optim <- runtime <- plan, docs/design.md "Module map"); type-only
   imports under ``if TYPE_CHECKING`` count, because a type-only cycle is still a cycle a
   reader has to hold in their head.
+- core/ knows no model library: no import of transformers or peft (nor a ``sys.modules``
+  lookup of one of their modules); model-family knowledge lives in adapters beside it
+  (``hf_init.py``, ``pretrained.py``).
+- No function of the package is longer than 60 lines (docstrings not counted), except
+  the few listed with why.
 - docs/design.md's module map names every module of the package, and its note index names
   every ``[Note: ...]`` the code points to.
 """
@@ -109,6 +114,83 @@ def test_the_layer_rule_sees_type_only_and_nested_imports(tmp_path: Path) -> Non
     assert "lightning_yafsdp.core.runtime.engine.YaFSDPEngine" in names
     assert "lightning_yafsdp.core.plan.sharding" in names
     assert [_core_layer(n) for n in names[1:]] == [3, 4]
+
+
+MODEL_LIBRARIES = ("transformers", "peft")
+
+
+def test_core_imports_no_model_library() -> None:
+    found = []
+    for path in _python_files(CORE):
+        rel = path.relative_to(ROOT)
+        found += [
+            f"{rel}:{line} imports {name}"
+            for line, name in _imported_modules(path)
+            if name.split(".")[0] in MODEL_LIBRARIES
+        ]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                if re.fullmatch(rf"({'|'.join(MODEL_LIBRARIES)})(\.\w+)+", node.value):
+                    found.append(f"{rel}:{node.lineno} names the module {node.value!r}")
+    assert not found, "core/ must stay model-library free:\n" + "\n".join(found)
+
+
+MAX_FUNCTION_LINES = 60
+# qualified name -> why it may be longer, for now.
+# None today: save_sharded, load_sharded and export_checkpoint (issue 25, wt-ckpt) are
+# over 60 lines only with their docstrings.
+LONG_FUNCTIONS_ALLOWED: dict[str, str] = {}
+
+
+def _code_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from ``def`` to the function's last line, its docstring not counted.
+
+    Documentation never makes a function too long to read; the code does (a public
+    function's Args section alone can pass 60 lines: ``shard_model``).
+    """
+    lines = function.end_lineno - function.lineno + 1
+    first = function.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        if isinstance(first.value.value, str):
+            lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def _function_lengths(path: Path) -> list[tuple[str, int]]:
+    """(``Class.method`` or ``function``, code lines) per function, nested ones included."""
+    found = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((prefix + child.name, _code_lines(child)))
+                visit(child, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+def test_no_function_is_longer_than_60_lines() -> None:
+    too_long = {}
+    for path in _python_files(PACKAGE):
+        for name, lines in _function_lengths(path):
+            key = f"{path.relative_to(PACKAGE)}:{name}"
+            if lines > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS_ALLOWED:
+                too_long[key] = lines
+    assert not too_long, f"functions over {MAX_FUNCTION_LINES} lines (split them): {too_long}"
+
+
+def test_every_allowed_long_function_still_exists_and_is_long() -> None:
+    # An exception outlives its reason silently otherwise.
+    lengths = {
+        f"{path.relative_to(PACKAGE)}:{name}": lines
+        for path in _python_files(PACKAGE)
+        for name, lines in _function_lengths(path)
+    }
+    stale = [k for k in LONG_FUNCTIONS_ALLOWED if lengths.get(k, 0) <= MAX_FUNCTION_LINES]
+    assert not stale, f"remove from LONG_FUNCTIONS_ALLOWED (now short or gone): {stale}"
 
 
 def _design_section(title: str) -> str:
