@@ -349,7 +349,7 @@ def _simulate(
     ``start_ag`` (root remainder, norm group) is gathered first; ``end_rs`` runs after
     the last block's reduce_scatter.
 
-    Hybrid sharding, as the engine schedules it (``core/streams.py``, condition 3):
+    Hybrid sharding, as the engine schedules it (``core/comm/streams.py``, condition 3):
     ``ar`` is a block's replicate all_reduce of its reduced shard, started when its
     reduce_scatter ends, on a stream of its own (``ar_on_comm`` False: the shard ring
     is NVLink only and the all_reduce has the NICs to itself) or, when both need the

@@ -43,8 +43,8 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.config import ConfigError, RunConfig
-from lightning_yafsdp.core.mesh import default_shard_size
-from lightning_yafsdp.core.sharding import NORM_GROUP, ROOT_GROUP, buffer_sizes, plan_layouts
+from lightning_yafsdp.core.comm.mesh import default_shard_size
+from lightning_yafsdp.core.plan.sharding import NORM_GROUP, ROOT_GROUP, buffer_sizes, plan_layouts
 from lightning_yafsdp.dtype_policy import DtypePolicy
 
 GiB = 1024**3

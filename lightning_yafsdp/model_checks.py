@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core import YaFSDPEngine
@@ -55,10 +55,6 @@ def check_optimizers_hold_model_params(
                 "parameter by a sharded one under the same name, so stepping them would "
                 f"train nothing. {fix}"
             )
-
-
-def has_meta_parameters(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
 
 
 def check_single_device(module: nn.Module) -> None:

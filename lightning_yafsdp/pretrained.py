@@ -6,7 +6,7 @@ weights), which is where the strategy runs ``configure_model``. Inside that cont
 from its config on the meta device (free) and attach a :class:`SafetensorsSource` that
 names, for each parameter and persistent buffer, the checkpoint file and key holding
 it. ``shard_model`` then materializes the model one flat group at a time and copies
-each group's tensors straight from the file (``core/materialize.py``), so a rank never
+each group's tensors straight from the file (``core/plan/materialize.py``), so a rank never
 holds more than one unsharded group: the same peak as a freshly initialized meta model.
 Tensors the checkpoint lacks (a new head) are initialized by the model's own
 ``_init_weights``, as ``from_pretrained`` would.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.materialize import TENSOR_SOURCE_ATTR
+from lightning_yafsdp.core.plan.materialize import TENSOR_SOURCE_ATTR
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"

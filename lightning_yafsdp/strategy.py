@@ -74,7 +74,7 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     read_checkpoint_extras,
 )
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
+from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
     check_optimizers_hold_model_params,
@@ -89,7 +89,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.accelerators import Accelerator
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_yafsdp.core.sharding import CheckpointSpec
+    from lightning_yafsdp.core.plan.sharding import CheckpointSpec
 
 
 class YaFSDPStrategy(ShardingState, ParallelStrategy):
@@ -328,7 +328,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         # [Note: meta-device configure_model] Lightning enters this (inside
         # tensor_init_context) only around configure_model: modules built there land on
         # the meta device and cost nothing; setup() materializes, initializes (the model's
-        # own scheme, core/materialize.py) and shards them one unit at a time, so no rank
+        # own scheme, core/plan/materialize.py) and shards them one unit at a time, so no rank
         # ever holds the whole model. from_pretrained builds on meta too and is loaded
         # from its checkpoint one group at a time (lightning_yafsdp/pretrained.py).
         # `with torch.device("cpu"):` inside configure_model builds real tensors instead.

@@ -14,7 +14,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 from lightning_yafsdp.models.llama import Llama, LlamaConfig, hf_llama_config
 
 SEQ_LEN = 16

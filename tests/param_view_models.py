@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_yafsdp  # noqa: F401 - registers strategy="yafsdp"
 from lightning_yafsdp import YaFSDPStrategy
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 from tests.zoo_models import full_weights
 
 VOCAB = 32

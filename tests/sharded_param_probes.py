@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_yafsdp.core import shard_model
-from lightning_yafsdp.core.optim_step import register_elementwise_optimizer
+from lightning_yafsdp.core.optim.optim_step import register_elementwise_optimizer
 
 WIDTH, VOCAB, LAYERS = 24, 40, 3
 # (skipped block on every rank, block whose branch runs on rank 0 only, micro-batches)

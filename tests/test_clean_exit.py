@@ -12,7 +12,7 @@ One script fits several models reported to abort at exit (Hugging Face GPT-2, Mi
 with manual optimization, T5) so that one launch is sensitive to all of them.
 
 An abort after a fit is rare (1 launch in 40, [Note: gloo work outlives its wait] in
-core/collectives.py), so a second test makes it likely: a torch-only script that exits
+core/comm/collectives.py), so a second test makes it likely: a torch-only script that exits
 right after the engine's collectives, launched ten times (~20% of such ranks aborted
 before the fix, so ten clean launches are a 1-in-100 fluke without it). The full
 Lightning-level count is ``python benchmarks/exit_stress.py --runs 40``.
@@ -173,7 +173,7 @@ _EXIT_RIGHT_AFTER_COLLECTIVES = r"""
 import torch
 import torch.distributed as dist
 
-from lightning_yafsdp.core.collectives import (
+from lightning_yafsdp.core.comm.collectives import (
     CommStats, all_gather_into, all_reduce_, broadcast_, reduce_scatter_into,
 )
 

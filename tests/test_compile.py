@@ -158,7 +158,7 @@ def test_whole_model_compile_breaks_at_most_once_per_unit_with_nested_graph_brea
 def _compiled_read_outside_units() -> str:
     import transformers
 
-    from lightning_yafsdp.core.sharding import shard_model
+    from lightning_yafsdp.core.plan.sharding import shard_model
     from tests.lightning_models import hf_llama_config, tiny_llama_config
 
     model = transformers.LlamaForCausalLM(hf_llama_config(tiny_llama_config()))

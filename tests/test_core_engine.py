@@ -283,7 +283,7 @@ def test_a_module_shared_by_two_units_is_refused_naming_both() -> None:
 
 
 def test_wrong_backend_for_the_device_is_rejected() -> None:
-    from lightning_yafsdp.core.sharding import check_backend
+    from lightning_yafsdp.core.plan.sharding import check_backend
 
     with pytest.raises(ValueError, match="need 'nccl'"):
         check_backend("gloo", torch.device("cuda", 0))

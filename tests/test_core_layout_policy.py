@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core import FlatLayout, find_units, is_norm_module
-from lightning_yafsdp.core.layout import PARAM_ALIGN_ELEMENTS
+from lightning_yafsdp.core.runtime.layout import PARAM_ALIGN_ELEMENTS
 from lightning_yafsdp.models.llama import Llama, LlamaConfig, RMSNorm, TransformerBlock
 
 

@@ -341,7 +341,7 @@ def test_fabric_hsdp_2x2_equals_ddp_losses_clipping_norms_and_weights():
 
 
 def test_the_default_shards_inside_one_node_on_several_nodes_and_over_all_ranks_on_one():
-    from lightning_yafsdp.core.mesh import default_shard_size
+    from lightning_yafsdp.core.comm.mesh import default_shard_size
 
     assert default_shard_size(None, world_size=16, num_nodes=2) == 8
     assert default_shard_size(None, world_size=8, num_nodes=1) == 8

@@ -6,7 +6,7 @@ memory under DDP), then ``model.load_state_dict(state, assign=True)``. Every par
 then real, but non-persistent buffers (Llama's rotary ``inv_freq``, BERT's ``position_ids``
 and ``token_type_ids``) are in no state dict and stay on the meta device. They must be
 re-derived as the model derives them, without touching a loaded weight, and training must
-equal DDP's ([Note: meta buffers beside loaded parameters] in core/materialize.py). What
+equal DDP's ([Note: meta buffers beside loaded parameters] in core/plan/materialize.py). What
 cannot be re-derived, and a half-loaded model, are refused before the first step.
 
 One ``dist_run`` on two CPU ranks does every fit and returns plain facts.

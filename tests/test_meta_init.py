@@ -187,6 +187,7 @@ def _runs(saved_dir: str) -> dict:
     runs["empty_init"]["meta"] = on_meta
 
     runs["world_size_1_vs_2"] = _shard_at_world_sizes_1_and_2()
+    runs["core_without_model_init"] = _core_shard_without_model_init()
     try:
         _trainer().fit(_UninitializedModule(), DataLoader(torch.ones(4, 8), batch_size=2))
         runs["uninitialized_error"] = None
@@ -203,20 +204,36 @@ def _shard_at_world_sizes_1_and_2() -> dict:
     only if every rank initialized every group exactly as rank 0 did.
     """
     from lightning_yafsdp.core import shard_model
+    from lightning_yafsdp.hf_init import hf_model_init
 
     rank = torch.distributed.get_rank()
     rank0_alone = torch.distributed.new_group([0])
     torch.manual_seed(100 + rank)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(_llama_config())
-    both = shard_model(model).full_state_dict()
+    both = shard_model(model, model_init=hf_model_init).full_state_dict()
     if rank != 0:
         return {}
     torch.manual_seed(100)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(_llama_config())
-    alone = shard_model(model, process_group=rank0_alone).full_state_dict()
+    alone = shard_model(
+        model, process_group=rank0_alone, model_init=hf_model_init
+    ).full_state_dict()
     return {"both": both, "alone": alone}
+
+
+def _core_shard_without_model_init() -> str | None:
+    """The torch-only core on a meta HF model, without the Hugging Face init plugged in."""
+    from lightning_yafsdp.core import shard_model
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(_llama_config())
+    try:
+        shard_model(model)
+    except RuntimeError as error:
+        return str(error)
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -326,3 +343,13 @@ def test_tensors_nobody_initializes_stop_sharding_with_their_names(runs):
         assert "scale.offsets" in message and "non-persistent buffer" in message
         assert "init_submodule" in message and "param_init_fn=" in message
         assert "blocks" not in message.split("Fix")[0], "initialized tensors are not named"
+
+
+def test_the_core_alone_refuses_a_meta_hf_model_and_names_the_hf_init(runs):
+    # The core knows no model library: without model_init= a Hugging Face norm (no
+    # reset_parameters()) stays NaN, and the init guard names the adapter that knows.
+    for rank in runs:
+        message = rank["core_without_model_init"]
+        assert message is not None, "an uninitialized HF norm must stop sharding"
+        assert "LlamaRMSNorm has no reset_parameters()" in message
+        assert "model_init=lightning_yafsdp.hf_init.hf_model_init" in message

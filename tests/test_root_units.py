@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_yafsdp.core import shard_model
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 from tests import core_probes
 from tests.core_probes import batch, tiny_llama, train_step
 from tests.distributed import dist_run

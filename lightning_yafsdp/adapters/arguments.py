@@ -354,7 +354,7 @@ def check_against_run(options: Any, *, world_size: int, device_type: str) -> Non
             "num_nodes): build the mesh over every rank"
         )
     if options.shard_size is not None:
-        from lightning_yafsdp.core.mesh import check_shard_size as divides_world
+        from lightning_yafsdp.core.comm.mesh import check_shard_size as divides_world
 
         divides_world(options.shard_size, world_size)
     backend = options.process_group_backend

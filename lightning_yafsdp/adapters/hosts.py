@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
-from lightning_yafsdp.core.mesh import ShardMesh
+from lightning_yafsdp.core.comm.mesh import ShardMesh
 
 
 def spread_shard_groups(hostnames: Sequence[str], shard_size: int) -> list[tuple[int, list[str]]]:

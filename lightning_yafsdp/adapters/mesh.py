@@ -10,7 +10,7 @@ from lightning_yafsdp.adapters.hosts import (
     warn_if_shard_groups_are_spread,
 )
 from lightning_yafsdp.adapters.options import ShardingOptions
-from lightning_yafsdp.core.mesh import ShardMesh, check_shard_size, default_shard_size
+from lightning_yafsdp.core.comm.mesh import ShardMesh, check_shard_size, default_shard_size
 
 
 def build_mesh(options: ShardingOptions, *, world_size: int, num_nodes: int) -> ShardMesh:

@@ -19,8 +19,8 @@ from lightning_yafsdp.adapters.arguments import (
 from lightning_yafsdp.checkpoint.entries import StateDictType
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
-    from lightning_yafsdp.core.sharding import CheckpointSpec
+    from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec
+    from lightning_yafsdp.core.plan.sharding import CheckpointSpec
 
 # Arguments of other Lightning strategies that users bring along when migrating,
 # and what to write instead (see docs/migration.md).

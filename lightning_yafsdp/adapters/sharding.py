@@ -17,8 +17,9 @@ from torch import nn
 
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.core import YaFSDPEngine, shard_model
-from lightning_yafsdp.core.materialize import Materializer
-from lightning_yafsdp.core.mesh import ShardMesh
+from lightning_yafsdp.core.comm.mesh import ShardMesh
+from lightning_yafsdp.core.plan.materialize import Materializer
+from lightning_yafsdp.hf_init import hf_model_init
 from lightning_yafsdp.model_checks import check_single_device, check_still_sharded
 
 
@@ -51,9 +52,11 @@ def shard_module(
     check_single_device(module)
     built_on_meta = any(p.is_meta for p in module.parameters())
     if not built_on_meta:
-        # [Note: meta buffers beside loaded parameters] in core/materialize.py. The seed
+        # [Note: meta buffers beside loaded parameters] in core/plan/materialize.py. The seed
         # is fixed, so every rank derives the same values without a collective.
-        Materializer(module, device=device, init_fn=None, seed=0).materialize_meta_buffers()
+        Materializer(
+            module, device=device, init_fn=None, seed=0, model_init=hf_model_init
+        ).materialize_meta_buffers()
         module.to(device)
     return shard_model(
         module,
@@ -75,6 +78,7 @@ def shard_module(
         ),
         cast_forward_inputs=options.cast_forward_inputs,
         param_init_fn=options.param_init_fn or getattr(module, "init_submodule", None),
+        model_init=hf_model_init,
     )
 
 

@@ -35,8 +35,8 @@ from lightning_yafsdp.checkpoint.trees import (
     map_leaves,
     sharded_leaves,
 )
-from lightning_yafsdp.core.collectives import CommStats, all_gather_into
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 DEFAULT_BUCKET_NUMEL = 1 << 26  # full elements per all_gather (256 MiB of fp32)
 

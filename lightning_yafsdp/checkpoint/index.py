@@ -30,7 +30,8 @@ class IndexedParam:
         shape: the full parameter's shape.
         start: first element of the flattened parameter held here.
         end: one past the last (``start == end``: this rank holds none).
-        param: the ``ShardedParameter`` itself (what optimizers hold).
+        param: the sharded parameter itself, an ``nn.Parameter`` of type ``ShardedTensor``
+            (what optimizers hold).
     """
 
     name: str

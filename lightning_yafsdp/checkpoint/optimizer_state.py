@@ -1,7 +1,7 @@
 """Optimizer state of a sharded engine, per original parameter, under its name.
 
-After ``shard_model`` an optimizer holds the ``ShardedParameter``s themselves, in
-as many param groups as the user made. Its state is per parameter:
+After ``shard_model`` an optimizer holds the sharded parameters (``ShardedTensor``)
+themselves, in as many param groups as the user made. Its state is per parameter:
 ``optimizer.state[p] = {"exp_avg": <1-D, this rank's elements of p>, "step": <scalar>}``
 (a value may also be a ``ShardedTensor``; its ``_local`` is the piece). The
 checkpoint form is name-keyed, as FSDP's::
@@ -39,7 +39,7 @@ from lightning_yafsdp.checkpoint.state import gather_shards
 from lightning_yafsdp.checkpoint.torch_layout import to_torch_layout
 from lightning_yafsdp.checkpoint.trees import as_flat_range, map_leaves
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 

@@ -58,7 +58,7 @@ from lightning_yafsdp.checkpoint.trees import (
 )
 from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 DCP_METADATA_FILENAME = ".metadata"
@@ -329,11 +329,6 @@ def _check_model_and_optimizer_count(
             f"{num_optimizers} were given; configure the same optimizers as when it was saved, "
             "or load the weights only (no optimizers)"
         )
-
-
-def read_format_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The ``"yafsdp"`` entry of a sharded checkpoint's ``meta.pt`` (``{}`` if absent)."""
-    return _read_meta(Path(path)).get(FORMAT_KEY, {})
 
 
 class CheckpointLayout:

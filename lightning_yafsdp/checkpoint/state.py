@@ -24,7 +24,7 @@ from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, name_lis
 from lightning_yafsdp.checkpoint.gather import gather_full, world_info
 from lightning_yafsdp.checkpoint.trees import to_flat_ranges
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 __all__ = [
     "check_names_and_shapes",

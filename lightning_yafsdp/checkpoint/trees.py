@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from lightning_yafsdp.checkpoint.ranges import FlatRange
-from lightning_yafsdp.core.sharded_param import ShardedTensor, local_of
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, local_of
 
 __all__ = ["local_of"]  # re-exported for checkpoint code: a value's plain local piece
 

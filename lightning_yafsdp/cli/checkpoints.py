@@ -18,6 +18,11 @@ _TRAINING_MODULE_PREFIX = "model."
 
 def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
     """Registers ``export`` and ``inspect`` on the ``yafsdp`` parser's subcommands."""
+    _add_export_command(commands)
+    _add_inspect_command(commands)
+
+
+def _add_export_command(commands: argparse._SubParsersAction) -> None:
     export = commands.add_parser(
         "export",
         help="consolidate a checkpoint into plain weights or a Hugging Face model directory",
@@ -69,6 +74,8 @@ def add_checkpoint_commands(commands: argparse._SubParsersAction) -> None:
         help="replace an earlier export (model.safetensors, model.pt, config.json) in OUT_DIR",
     )
 
+
+def _add_inspect_command(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="check a checkpoint is complete; show its step, world size, parameters and size",

@@ -55,7 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train_command(commands)
+    _add_estimate_command(commands)
+    _add_prepare_command(commands)
+    add_checkpoint_commands(commands)
+    add_plot_command(commands)
+    return parser
 
+
+def _add_train_command(commands) -> None:
     from lightning_yafsdp.cli.config_help import render_config_keys
 
     train = commands.add_parser(
@@ -101,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--quiet", action="store_true", help="no startup panel or summary")
 
+
+def _add_estimate_command(commands) -> None:
     est = commands.add_parser(
         "estimate",
         help="estimate memory per rank and communication per step",
@@ -122,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     est.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
+
+def _add_prepare_command(commands) -> None:
     prep = commands.add_parser(
         "prepare",
         help="tokenize text into a .bin token file",
@@ -134,9 +146,6 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", default="byte", help="'byte' or a local HF tokenizer dir")
     prep.add_argument("--jsonl-field", default="text", help="JSON key holding the text")
     prep.add_argument("--max-bytes", type=int, default=1 << 40, help="cap on text read (bytes)")
-    add_checkpoint_commands(commands)
-    add_plot_command(commands)
-    return parser
 
 
 def _recipe_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,16 +10,16 @@ Example::
     engine.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
 """
 
-from lightning_yafsdp.core.collectives import CommStats
-from lightning_yafsdp.core.engine import ParamShard, YaFSDPEngine
-from lightning_yafsdp.core.layout import FlatLayout
-from lightning_yafsdp.core.optim_step import register_elementwise_optimizer
-from lightning_yafsdp.core.order_guard import CollectiveOrderError
-from lightning_yafsdp.core.policy import find_units, is_norm_module
-from lightning_yafsdp.core.sharded_param import ShardedTensor, ShardPlacement
-from lightning_yafsdp.core.sharding import ShardingPlan, get_engine, plan_layouts, shard_model
-from lightning_yafsdp.core.streams import ScheduleEvent
-from lightning_yafsdp.core.tensor_tree import OpaqueValueError
+from lightning_yafsdp.core.comm.collectives import CommStats
+from lightning_yafsdp.core.comm.order_guard import CollectiveOrderError
+from lightning_yafsdp.core.comm.streams import ScheduleEvent
+from lightning_yafsdp.core.optim.optim_step import register_elementwise_optimizer
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, ShardPlacement
+from lightning_yafsdp.core.plan.policy import find_units, is_norm_module
+from lightning_yafsdp.core.plan.sharding import ShardingPlan, get_engine, plan_layouts, shard_model
+from lightning_yafsdp.core.runtime.engine import ParamShard, YaFSDPEngine
+from lightning_yafsdp.core.runtime.layout import FlatLayout
+from lightning_yafsdp.core.runtime.tensor_tree import OpaqueValueError
 
 __all__ = [
     "CollectiveOrderError",

@@ -78,8 +78,8 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lightning_yafsdp.core.policy import NormSpec, UnitsSpec
-    from lightning_yafsdp.core.sharding import CheckpointSpec
+    from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec
+    from lightning_yafsdp.core.plan.sharding import CheckpointSpec
 
 _OPTIMIZER_AFTER_SETUP = (
     "Create the optimizer after model = fabric.setup_module(model), from "

@@ -3,8 +3,9 @@
 The YaLM-100B recipe for divergence: roll back to a good state, skip the batches
 that led there, lower the learning rate if it recurs.
 
-[Note: in-memory rollback] Sharded checkpoints are not available yet, so the
-guard keeps its own snapshot: a copy of this rank's parameters (under YaFSDP
+[Note: in-memory rollback] The guard keeps its own snapshot rather than reloading
+the last checkpoint (a rollback must not wait on disk, nor depend on how often the
+run checkpoints): a copy of this rank's parameters (under YaFSDP
 ``module.parameters()`` are sharded: a copy holds this rank's pieces, 1/N of the model) and of
 the optimizer state, refreshed every ``snapshot_every_n_steps`` healthy steps.
 That costs one more copy of the sharded training state in host or device

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
-from lightning_yafsdp.core.policy import find_units
+from lightning_yafsdp.core.plan.policy import find_units
 from lightning_yafsdp.training.stats import log_event_metrics
 
 

@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 from lightning_yafsdp.core import compat
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.mesh import ShardMesh
+    from lightning_yafsdp.core.comm.mesh import ShardMesh
 
 # The torch-version shims (2.11 lacks the ``*_single`` names) live in core/compat.py.
 _all_gather_single = compat.all_gather_single
@@ -64,11 +64,6 @@ def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
     if work is not None:
         work.wait()
     return None
-
-
-def kept_works() -> list[dist.Work]:
-    """The works of the latest CPU collectives, newest last (for tests)."""
-    return list(_recent_cpu_works)
 
 
 @dataclass

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.order_guard import CollectiveOrderGuard, TagExchange
+    from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard, TagExchange
 
 Launch = Callable[[bool], "dist.Work | None"]
 

@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 
 class ShardGrads:

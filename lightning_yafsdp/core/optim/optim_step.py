@@ -31,7 +31,8 @@ computing something else.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.optim.optimizer import (
@@ -39,17 +40,30 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from lightning_yafsdp.core.optim_runs import (
+from lightning_yafsdp.core.optim.grads import ShardGrads
+from lightning_yafsdp.core.optim.optim_runs import (
     PieceSlot,
     Run,
     adopt_into_arenas,
     finish_run,
     plan_runs,
 )
-from lightning_yafsdp.core.sharded_param import local_of
+from lightning_yafsdp.core.optim.sharded_param import local_of
 
-if TYPE_CHECKING:
-    from lightning_yafsdp.core.engine import YaFSDPEngine
+
+class SwapOwner(Protocol):
+    """What the swap asks of the engine that owns the sharded parameters.
+
+    A protocol rather than the engine class: optim/ sits below runtime/ in core's layer
+    order (docs/design.md, module map), so it names only the three calls it makes.
+    """
+
+    def sharded_parameters(self) -> list[torch.nn.Parameter]: ...
+
+    def grads_by_master(self) -> Sequence[tuple[ShardGrads, Any]]: ...
+
+    def mark_weights_changed(self) -> None: ...
+
 
 # Optimizers whose update of each element depends only on that element's own
 # parameter, grad and state (and on scalars): they give the same result on pieces.
@@ -81,7 +95,7 @@ class OptimizerStepSwap:
     pin every engine (and its process group) ever built.
     """
 
-    def __init__(self, engine: YaFSDPEngine) -> None:
+    def __init__(self, engine: SwapOwner) -> None:
         self._engine = weakref.ref(engine)
         self._param_ids: set[int] | None = None
         self._slot_of: dict[int, PieceSlot] | None = None

@@ -33,16 +33,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.autograd import GateGradFlow, PreBackwardGate
-from lightning_yafsdp.core.collectives import WorkList, all_gather_into
+from lightning_yafsdp.core.comm.collectives import WorkList, all_gather_into
 from lightning_yafsdp.core.compat import outside_compile
-from lightning_yafsdp.core.flat_group import FlatParamGroup
-from lightning_yafsdp.core.placeholder import UngatheredWeight
-from lightning_yafsdp.core.tensor_tree import map_tensors, tensors_in
-from lightning_yafsdp.core.unit_state import UnitLifecycle, UnitState
+from lightning_yafsdp.core.runtime.autograd import GateGradFlow, PreBackwardGate
+from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
+from lightning_yafsdp.core.runtime.placeholder import UngatheredWeight
+from lightning_yafsdp.core.runtime.tensor_tree import map_tensors, tensors_in
+from lightning_yafsdp.core.runtime.unit_state import UnitLifecycle, UnitState
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.engine import YaFSDPEngine
+    from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
 
 __all__ = ["ShardedUnit", "UnitState"]
 

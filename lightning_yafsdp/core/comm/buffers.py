@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.streams import PendingCollective, PendingReduce
+    from lightning_yafsdp.core.comm.streams import PendingCollective, PendingReduce
 
 
 class WeightBuffer:

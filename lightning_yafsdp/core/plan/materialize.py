@@ -12,12 +12,12 @@ group, in this order:
 3. **Poison** the others: NaN for floating tensors, a sentinel for integer/bool ones.
 4. **Initialize** them the way the model initializes itself, under a seed that is the
    same on every rank ([Note: init seed]): a user ``init_fn`` if given; otherwise
-   ``reset_parameters()`` of each module that owns a fresh tensor, then, for modules
-   inside a Hugging Face ``PreTrainedModel``, that model's own ``_init_weights`` on the
-   owners and all their ancestors, in post-order (children before parents, as
-   ``PreTrainedModel.initialize_weights`` does). Every tensor outside the group is
-   flagged ``_is_hf_initialized`` for the duration, so transformers' guarded init
-   functions leave it alone ([Note: group-restricted HF init]).
+   ``reset_parameters()`` of each module that owns a fresh tensor, then the model
+   family's own init, when a ``ModelFamilyInit`` is plugged in (``model_init=``): the
+   core knows only torch's convention; Hugging Face's ``_init_weights`` and peft's LoRA
+   reset live in ``lightning_yafsdp/hf_init.py``, which the strategies plug in ([Note:
+   group-restricted HF init] there). The family's ``restricted_to`` context wraps every
+   initialization of a group, the user's ``init_fn`` too.
 5. **Check**: a floating tensor still holding a NaN, or an integer/bool tensor never
    written and still equal to the sentinel, was not initialized by anything; sharding
    stops with an error naming it and saying how to fix it ([Note: init guard]).
@@ -30,15 +30,16 @@ nothing already real may change ([Note: meta buffers beside loaded parameters]).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_yafsdp.core.collectives import CommStats, broadcast_
+from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_
 
 # A module may carry, under this attribute of its ``__dict__``, a source of saved values
 # for the meta tensors of the model (e.g. a safetensors checkpoint; see
@@ -46,7 +47,6 @@ from lightning_yafsdp.core.collectives import CommStats, broadcast_
 # None, ``read(handle)`` -> the saved tensor, ``not_read()`` -> the names of what it
 # holds that was never read, ``close()``.
 TENSOR_SOURCE_ATTR = "_yafsdp_tensor_source"
-_HF_FLAG = "_is_hf_initialized"
 _MAX_NAMED = 8
 _META_FIX = (
     "Fix one of: define reset_parameters() on the module so that it sets them; "
@@ -64,6 +64,71 @@ _META_BUFFER_FIX = (
     "__init__ does); define reset_parameters() on a parameter-free module that owns them; "
     "or build the model with real tensors (trainer.init_module() without empty_init=True)."
 )
+
+
+@dataclass(frozen=True)
+class ModuleTree:
+    """A model's modules in post-order (children first) and each module's parents.
+
+    A module reachable along two paths (shared across depth) appears once in
+    ``post_order`` and lists every parent.
+    """
+
+    post_order: list[nn.Module]
+    parents: dict[int, list[nn.Module]]
+
+    @classmethod
+    def of(cls, root: nn.Module) -> ModuleTree:
+        return cls(*_post_order_and_parents(root))
+
+    def with_ancestors(self, modules: list[nn.Module]) -> set[int]:
+        """Ids of ``modules`` and of every ancestor of one."""
+        visit = {id(m) for m in modules}
+        stack = list(modules)
+        while stack:
+            for parent in self.parents.get(id(stack.pop()), ()):
+                if id(parent) not in visit:
+                    visit.add(id(parent))
+                    stack.append(parent)
+        return visit
+
+
+class ModelFamilyInit(Protocol):
+    """How a model family initializes its modules beyond torch's ``reset_parameters()``.
+
+    The core is torch-only: a family whose modules are initialized by their model (Hugging
+    Face's ``_init_weights``, peft's adapters) plugs this in through ``shard_model(...,
+    model_init=factory)``; ``factory(root, tree)`` returns one for the model, or None.
+    """
+
+    def restricted_to(self, fresh: list[torch.Tensor]) -> AbstractContextManager[None]:
+        """Context in which the family's init writes ``fresh`` and nothing else."""
+        ...
+
+    def initialize(self, owners: list[nn.Module], *, adapters: bool) -> None:
+        """Run the family's init for ``owners`` (after their ``reset_parameters()``);
+        ``adapters=False``: leave adapter layers alone (only buffers are fresh)."""
+        ...
+
+    def uninitialized_cause(self, module: nn.Module) -> str | None:
+        """Why the family's init did not set a tensor of ``module`` (for the init guard)."""
+        ...
+
+
+ModelInitFactory = Callable[[nn.Module, ModuleTree], "ModelFamilyInit | None"]
+
+
+class _TorchOnly:
+    """No model family: ``reset_parameters()`` (or the user's ``init_fn``) only."""
+
+    def restricted_to(self, fresh: list[torch.Tensor]) -> AbstractContextManager[None]:
+        return nullcontext()
+
+    def initialize(self, owners: list[nn.Module], *, adapters: bool) -> None:
+        return None
+
+    def uninitialized_cause(self, module: nn.Module) -> str | None:
+        return None
 
 
 def draw_init_seed(group: ProcessGroup, device: torch.device, *, stats: CommStats) -> int:
@@ -88,8 +153,9 @@ class Materializer:
         device: where the real tensors go.
         init_fn: the user's init function, called on each unit module and on each
             other module that owns a fresh tensor; ``None``: the model's own scheme
-            (``reset_parameters`` and Hugging Face ``_init_weights``).
+            (``reset_parameters``, then the family's init from ``model_init``).
         seed: the base seed (``draw_init_seed``).
+        model_init: the model family's init (``ModelInitFactory``; None: torch only).
     """
 
     def __init__(
@@ -99,6 +165,7 @@ class Materializer:
         device: torch.device,
         init_fn: Callable[[nn.Module], None] | None,
         seed: int,
+        model_init: ModelInitFactory | None = None,
     ) -> None:
         self.root = root
         self.device = device
@@ -108,9 +175,9 @@ class Materializer:
         self._unit_module_of: dict[str, nn.Module] = {}
         self._real_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
-        self._post_order, self._parents = _post_order_and_parents(root)
-        self._hf_owner = _hf_owners(root)
-        self._lora_layers, self._adapter_modules = _lora_layers(root, self._parents)
+        self._tree = ModuleTree.of(root)
+        family = model_init(root, self._tree) if model_init is not None else None
+        self._family: ModelFamilyInit = family if family is not None else _TorchOnly()
         self._sources = _tensor_sources(root)
         # By (module, attribute), which outlives the tensor objects: sharding re-registers
         # frozen parameters as buffers (new tensors) under the same module and name.
@@ -177,8 +244,9 @@ class Materializer:
         builds on meta; ``load_state_dict(sd, assign=True)`` then makes every parameter and
         persistent buffer real, but a non-persistent buffer (HF rotary ``inv_freq``, CLIP's
         ``position_ids``) is in no state dict and stays meta. Each is computed as the model
-        computes it: its Hugging Face model's ``_init_weights`` restricted to these buffers
-        ([Note: group-restricted HF init]), and ``reset_parameters()`` only of an owner that
+        computes it: the model family's init restricted to these buffers (for Hugging Face
+        models ``_init_weights``, [Note: group-restricted HF init] in ``hf_init.py``; adapter
+        layers left alone), and ``reset_parameters()`` only of an owner that
         holds no parameter (on any other it would overwrite loaded weights). The init guard
         checks every buffer got a value, and a real tensor whose version counter moved (it
         was written) stops with an error: loaded values are never changed.
@@ -196,9 +264,9 @@ class Materializer:
         tensors = [t for _, _, t in fresh]
         owners = _unique([m for m, _, _ in fresh])
         with torch.no_grad(), _seeded(self.device, self.seed):
-            with _hf_guard(), _others_flagged_initialized(self.root, tensors):
+            with self._family.restricted_to(tensors):
                 self._reset_parameters_of([m for m in owners if next(m.parameters(), None) is None])
-                self._hf_init_upward(owners)
+                self._family.initialize(owners, adapters=False)
         _check_unchanged(real_before)
         self._check(fresh, versions, fix=_META_BUFFER_FIX)
 
@@ -235,7 +303,7 @@ class Materializer:
         tensors = [t for _, _, t in to_init]
         owners = _unique([m for m, _, _ in to_init])
         with torch.no_grad(), _seeded(self.device, self.seed + self._groups_done):
-            with _hf_guard(), _others_flagged_initialized(self.root, tensors):
+            with self._family.restricted_to(tensors):
                 if self.init_fn is None:
                     self._default_init(owners)
                 else:
@@ -260,38 +328,15 @@ class Materializer:
 
     def _default_init(self, owners: list[nn.Module]) -> None:
         self._reset_parameters_of(owners)
-        visit = self._hf_init_upward(owners)
-        for layer, configs in self._lora_layers:
-            if id(layer) in visit:
-                _reset_lora_adapters(layer, configs, self._module_names.get(id(layer), "?"))
+        self._family.initialize(owners, adapters=True)
 
     def _reset_parameters_of(self, owners: list[nn.Module]) -> None:
         owner_ids = {id(m) for m in owners}
-        for module in self._post_order:
+        for module in self._tree.post_order:
             if id(module) in owner_ids:
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):
                     reset()
-
-    def _hf_init_upward(self, owners: list[nn.Module]) -> set[int]:
-        """HF ``_init_weights`` on the owners and all their ancestors; the ids visited."""
-        visit = {id(m) for m in owners}
-        stack = list(owners)
-        while stack:
-            for parent in self._parents.get(id(stack.pop()), ()):
-                if id(parent) not in visit:
-                    visit.add(id(parent))
-                    stack.append(parent)
-        for module in self._post_order:
-            hf_model = self._hf_owner.get(id(module))
-            # PEFT adds its adapters after the model's own init: they never see _init_weights.
-            if (
-                id(module) in visit
-                and hf_model is not None
-                and id(module) not in self._adapter_modules
-            ):
-                hf_model._init_weights(module)
-        return visit
 
     def _check(self, initialized, versions: list[int], *, fix: str = _META_FIX) -> None:
         untouched = [
@@ -317,7 +362,6 @@ class Materializer:
     def _describe(self, module: nn.Module, attr: str, tensor: torch.Tensor) -> str:
         cls = type(module).__name__
         kind = "parameter" if attr in module._parameters else "buffer"
-        hf_model = self._hf_owner.get(id(module))
         if self.init_fn is not None:
             init_name = getattr(self.init_fn, "__qualname__", repr(self.init_fn))
             cause = f"the init function {init_name} does not set it"
@@ -325,8 +369,15 @@ class Materializer:
             cause = f"{cls}.reset_parameters() does not set it"
         else:
             cause = f"{cls} has no reset_parameters()"
-        if self.init_fn is None and hf_model is not None:
-            cause += f" and {type(hf_model).__name__}._init_weights does not set it either"
+        family_cause = self._family.uninitialized_cause(module) if self.init_fn is None else None
+        if family_cause:
+            cause += f" and {family_cause}"
+        elif isinstance(self._family, _TorchOnly) and _from_a_model_family(module):
+            cause += (
+                f" ({type(module).__module__} initializes through its model: pass "
+                "model_init=lightning_yafsdp.hf_init.hf_model_init to shard_model, as the "
+                "strategies do)"
+            )
         if kind == "buffer" and attr in module._non_persistent_buffers_set:
             cause += (
                 "; it is a non-persistent buffer, computed in __init__ (which ran on the meta "
@@ -359,78 +410,6 @@ def _post_order_and_parents(root: nn.Module):
 
     visit(root)
     return order, parents
-
-
-def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
-    """Each module's nearest Hugging Face PreTrainedModel (itself or an ancestor)."""
-    pretrained_class = _pretrained_model_class()
-    if pretrained_class is None:
-        return {}
-    owners: dict[int, nn.Module] = {}
-
-    def visit(module: nn.Module, current: nn.Module | None) -> None:
-        if isinstance(module, pretrained_class):
-            current = module
-        if id(module) in owners:
-            return
-        if current is not None:
-            owners[id(module)] = current
-        for child in module.children():
-            visit(child, current)
-
-    visit(root, None)
-    return owners
-
-
-def _pretrained_model_class():
-    # Only a model built from transformers can need its init, and then it is imported.
-    modeling_utils = sys.modules.get("transformers.modeling_utils")
-    return getattr(modeling_utils, "PreTrainedModel", None)
-
-
-def _lora_layers(root: nn.Module, parents) -> tuple[list, set[int]]:
-    """PEFT LoRA layers with their adapters' configs, and the ids of the adapter modules."""
-    lora = sys.modules.get("peft.tuners.lora.layer")
-    lora_layer_class = getattr(lora, "LoraLayer", None)
-    if lora_layer_class is None:
-        return [], set()
-    layers, adapter_modules = [], set()
-    for module in root.modules():
-        if not isinstance(module, lora_layer_class):
-            continue
-        layers.append((module, _nearest_peft_config(module, parents)))
-        for name, child in module.named_children():
-            if name != "base_layer":
-                adapter_modules.update(id(sub) for sub in child.modules())
-    return layers, adapter_modules
-
-
-def _nearest_peft_config(module: nn.Module, parents) -> dict:
-    pending, seen = [module], set()
-    while pending:
-        current = pending.pop()
-        config = getattr(current, "peft_config", None)
-        if isinstance(config, dict):
-            return config
-        seen.add(id(current))
-        pending += [p for p in parents.get(id(current), ()) if id(p) not in seen]
-    return {}
-
-
-def _reset_lora_adapters(layer: nn.Module, configs: dict, name: str) -> None:
-    # As peft's LoraLayer.update_layer does at construction, for the inits that need no data.
-    for adapter in [*layer.lora_A.keys(), *layer.lora_embedding_A.keys()]:
-        config = configs.get(adapter)
-        init = getattr(config, "init_lora_weights", True)
-        if isinstance(init, str) and init.lower() != "gaussian":
-            raise ValueError(
-                f"LoRA adapter {adapter!r} of '{name}' uses init_lora_weights={init!r}, which "
-                "computes the adapter from the base weights (or data) when the adapter is "
-                "created; on the meta device there are none. Apply the adapter to a model "
-                "with real weights (e.g. `with torch.device('cpu'):` around from_pretrained "
-                "and get_peft_model in configure_model)."
-            )
-        layer.reset_lora_parameters(adapter, init)
 
 
 def _tensor_sources(root: nn.Module) -> list[tuple[nn.Module, object]]:
@@ -549,44 +528,6 @@ def _seeded(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
-def _hf_guard():
-    initialization = sys.modules.get("transformers.initialization")
-    guard = getattr(initialization, "guard_torch_init_functions", None)
-    return guard() if guard is not None else nullcontext()
-
-
-@contextmanager
-def _others_flagged_initialized(root: nn.Module, fresh: list[torch.Tensor]) -> Iterator[None]:
-    """[Note: group-restricted HF init] Mark every tensor but ``fresh`` as initialized.
-
-    transformers' init functions (and torch's, under ``guard_torch_init_functions``)
-    skip tensors whose ``_is_hf_initialized`` is set, so an ancestor's ``_init_weights``
-    (T5's root initializes ``shared``; GPT-2's attention rescales ``c_proj``) writes
-    only this group's tensors and draws no random numbers for the others.
-    """
-    if _pretrained_model_class() is None:
-        yield
-        return
-    fresh_ids = {id(t) for t in fresh}
-    previous: dict[int, tuple[torch.Tensor, object]] = {}
-    missing = object()
-    for tensor in _all_tensors(root):
-        if id(tensor) in previous:
-            continue
-        previous[id(tensor)] = (tensor, getattr(tensor, _HF_FLAG, missing))
-        setattr(tensor, _HF_FLAG, id(tensor) not in fresh_ids)
-    try:
-        yield
-    finally:
-        for tensor, flag in previous.values():
-            if flag is missing:
-                delattr(tensor, _HF_FLAG)
-            else:
-                setattr(tensor, _HF_FLAG, flag)
-
-
-def _all_tensors(root: nn.Module) -> Iterator[torch.Tensor]:
-    for module in root.modules():
-        yield from (t for t in _own_tensors(module) if t is not None)
-        # Sharded groups' placeholders are plain tensor attributes once rewired.
-        yield from (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+def _from_a_model_family(module: nn.Module) -> bool:
+    # Read from the class's module name only: the core imports no model library.
+    return type(module).__module__.split(".")[0] in ("transformers", "peft")

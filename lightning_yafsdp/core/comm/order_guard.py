@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from lightning_yafsdp.core.collectives import CommStats, all_gather_into
+from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.mesh import ShardMesh
+    from lightning_yafsdp.core.comm.mesh import ShardMesh
 
 _KIND_CODES = {"gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _TAG_NUMEL = 3

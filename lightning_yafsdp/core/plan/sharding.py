@@ -19,21 +19,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from lightning_yafsdp.core.buffers import GatherStaging
-from lightning_yafsdp.core.collectives import CommStats, broadcast_, check_reduce_dtype
+from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_, check_reduce_dtype
+from lightning_yafsdp.core.comm.mesh import ShardMesh, resolve_mesh
 from lightning_yafsdp.core.compat import outside_compile
-from lightning_yafsdp.core.engine import YaFSDPEngine
-from lightning_yafsdp.core.flat_group import ParamOwner
-from lightning_yafsdp.core.grads import ShardGrads
-from lightning_yafsdp.core.group_spec import GroupSpec
-from lightning_yafsdp.core.layer import ShardedUnit
-from lightning_yafsdp.core.layout import FlatLayout
-from lightning_yafsdp.core.materialize import Materializer, draw_init_seed
-from lightning_yafsdp.core.mesh import ShardMesh, resolve_mesh
-from lightning_yafsdp.core.policy import NormSpec, UnitsSpec, find_units, is_norm_module
-from lightning_yafsdp.core.resident import ResidentGroup
-from lightning_yafsdp.core.root_units import split_root
-from lightning_yafsdp.core.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.plan.group_spec import GroupSpec
+from lightning_yafsdp.core.plan.materialize import (
+    Materializer,
+    ModelInitFactory,
+    draw_init_seed,
+)
+from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
+from lightning_yafsdp.core.plan.root_units import split_root
+from lightning_yafsdp.core.runtime.engine import EngineMasters, YaFSDPEngine
+from lightning_yafsdp.core.runtime.flat_group import ParamOwner
+from lightning_yafsdp.core.runtime.layout import FlatLayout
+from lightning_yafsdp.core.runtime.resident import ResidentGroup
+from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 NORM_GROUP = "<norms>"
 ROOT_GROUP = "<root>"
@@ -57,6 +59,7 @@ def shard_model(
     sync_module_states: bool = False,
     cast_forward_inputs: bool = True,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    model_init: ModelInitFactory | None = None,
 ) -> YaFSDPEngine:
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
@@ -104,15 +107,68 @@ def shard_model(
             buffers) right after it is materialized on the target device and
             right before it is flattened and sharded, so no rank ever holds
             the whole unsharded model. Default: the model's own scheme,
-            ``reset_parameters()`` of each module and, inside a Hugging Face
-            ``PreTrainedModel``, its ``_init_weights`` (see ``core/materialize.py``).
+            ``reset_parameters()`` of each module, then the ``model_init`` family's.
             Each group is initialized under a seed equal on every rank; anything
             left uninitialized raises, naming the tensor.
+        model_init: how the model's family initializes beyond ``reset_parameters()``
+            (``core/plan/materialize.py``, ``ModelInitFactory``); for Hugging Face and
+            peft models ``lightning_yafsdp.hf_init.hf_model_init``, which both
+            strategies pass. None: torch's convention only.
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
             collective is issued, with the fix in the message.
     """
+    param_dtype = _check_arguments(zero_stage, param_dtype, reduce_dtype, master_dtype)
+    mesh = resolve_mesh(
+        process_group=process_group, shard_size=shard_size, device_mesh=device_mesh, mesh=mesh
+    )
+    device, built_on_meta = _target_device(module, mesh, reduce_dtype)
+
+    # 1. Plan: which parameter joins which group, and every layout. Layouts split each
+    # group over the shard group: a shard group of K ranks is sharded exactly as a flat
+    # world of K ranks ([Note: hybrid sharding]).
+    plan = _plan(module, find_units(module, units), norm_classes, mesh.shard_size)
+    unit_specs, norm_spec, root_spec, _ = plan.specs
+    _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
+
+    # 2. Build: the master shards, filled one group at a time (materialized first when
+    # built on meta), then the engine over them and its units and resident groups.
+    stats = CommStats()
+    init_on = None
+    if built_on_meta:
+        init_on = _materializer(module, plan, mesh, device, param_init_fn, model_init, stats)
+    fill = dict(rank=mesh.shard_rank, group=mesh.world_group, sync=sync_module_states)
+    fill.update(stats=stats, device=device, dtype=master_dtype, init=init_on)
+    engine = YaFSDPEngine(
+        module,
+        mesh=mesh,
+        device=device,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        buffer_sizes=_unit_buffer_sizes(plan, zero_stage),
+        cast_forward_inputs=cast_forward_inputs,
+        masters=_fill_masters(plan, frozen_dtype=param_dtype, **fill),
+    )
+    _add_groups(engine, plan)
+
+    # 3. Install: sharded parameters and hooks into the module, then what no group owns.
+    _install(module, engine, init_on, sync_module_states, activation_checkpointing, stats)
+    return engine
+
+
+def _install(module, engine, init_on, sync_module_states, activation_checkpointing, stats):
+    _rewire_module(module, engine)
+    if init_on is not None:
+        _materialize_the_rest(module, engine, init_on)
+    if sync_module_states:
+        _broadcast_replicated(module, engine.group, stats)
+    _apply_activation_checkpointing(engine, activation_checkpointing)
+    engine.comm_stats.reset()
+
+
+def _check_arguments(zero_stage, param_dtype, reduce_dtype, master_dtype) -> torch.dtype:
+    """Refuse what cannot work before any collective; the compute dtype."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "shard_model needs torch.distributed: call "
@@ -129,117 +185,84 @@ def shard_model(
     ):
         if not dtype.is_floating_point:
             raise ValueError(f"{label} must be a floating dtype, got {dtype}")
-    device = _single_device(module, allow_meta=True)
-    mesh = resolve_mesh(
-        process_group=process_group, shard_size=shard_size, device_mesh=device_mesh, mesh=mesh
-    )
-    group = mesh.world_group  # seeds, sync_module_states: every rank of the model
-    built_on_meta = device.type == "meta"
-    if built_on_meta:
-        device = _default_device(group)
-    check_backend(str(dist.get_backend(group)), device)
+    return param_dtype
+
+
+def _target_device(
+    module: nn.Module, mesh: ShardMesh, reduce_dtype: torch.dtype
+) -> tuple[torch.device, bool]:
+    """Where the engine's tensors go, and whether the model was built on meta."""
+    model_device = _single_device(module, allow_meta=True)
+    built_on_meta = model_device.type == "meta"
+    device = _default_device(mesh.world_group) if built_on_meta else model_device
+    check_backend(str(dist.get_backend(mesh.world_group)), device)
     check_reduce_dtype(mesh, device, reduce_dtype)
-    # Layouts split each group over the shard group: a shard group of K ranks is
-    # sharded exactly as a flat world of K ranks ([Note: hybrid sharding]).
-    rank, world_size = mesh.shard_rank, mesh.shard_size
+    return device, built_on_meta
 
-    unit_modules = find_units(module, units)
-    plan = _plan(module, unit_modules, norm_classes, world_size)
-    unit_specs, norm_spec, root_spec, frozen = plan.specs
-    _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
+
+def _materializer(module, plan, mesh, device, param_init_fn, model_init, stats) -> Materializer:
+    """The group-by-group materializer of a meta-built model, seeded alike on every rank."""
+    seed = draw_init_seed(mesh.world_group, device, stats=stats)
+    init_on = Materializer(
+        module, device=device, init_fn=param_init_fn, seed=seed, model_init=model_init
+    )
+    blocks = [spec for spec in plan.specs[0] if spec.is_block]
+    init_on.assign_unit_modules(blocks, [(spec.name, spec.modules[0]) for spec in blocks])
+    return init_on
+
+
+def _flat_groups(plan: ShardingPlan) -> list[tuple[GroupSpec, FlatLayout, FlatLayout | None]]:
+    """``(spec, layout, frozen layout)`` of each group in the flat master: units, then root."""
+    unit_specs, _, root_spec, _ = plan.specs
     unit_layouts = [layout for _, layout in plan.units]
-    root_layout, norm_layout = plan.root, plan.norms
-    flat_groups = [*zip(unit_specs, unit_layouts, plan.frozen, strict=True)]
-    if root_layout is not None:
-        flat_groups.append((root_spec, root_layout, None))
+    groups = [*zip(unit_specs, unit_layouts, plan.frozen, strict=True)]
+    if plan.root is not None:
+        groups.append((root_spec, plan.root, None))
+    return groups
 
-    # Master shards, filled one group at a time.
-    stats = CommStats()
-    init_on = None
-    if built_on_meta:
-        seed = draw_init_seed(group, device, stats=stats)
-        init_on = Materializer(module, device=device, init_fn=param_init_fn, seed=seed)
-    fill = dict(
-        rank=rank,
-        group=group,
-        sync=sync_module_states,
-        stats=stats,
-        device=device,
-        dtype=master_dtype,
-        init=init_on,
-    )
-    if init_on is not None:
-        blocks = [spec for spec in unit_specs if spec.is_block]
-        init_on.assign_unit_modules(blocks, [(spec.name, spec.modules[0]) for spec in blocks])
-    flat_shard, frozen_store = _build_master(flat_groups, frozen_dtype=param_dtype, **fill)
+
+def _fill_masters(plan: ShardingPlan, *, frozen_dtype, **fill) -> EngineMasters:
+    flat_shard, frozen_store = _build_master(_flat_groups(plan), frozen_dtype=frozen_dtype, **fill)
     norm_shard = None
-    if norm_layout is not None:
-        norm_shard, _ = _build_master([(norm_spec, norm_layout, None)], **fill)
-
-    engine = YaFSDPEngine(
-        module,
-        mesh=mesh,
-        device=device,
-        param_dtype=param_dtype,
-        reduce_dtype=reduce_dtype,
-        buffer_sizes=_unit_buffer_sizes(plan, zero_stage),
-        cast_forward_inputs=cast_forward_inputs,
-    )
-    engine.zero_stage = zero_stage
-    if master_dtype != param_dtype:
-        slots = _unit_buffer_sizes(plan, zero_stage)
-        engine.gather_staging = GatherStaging(slots.grad_shards, dtype=param_dtype, device=device)
-    engine.flat_shard, engine.norm_shard = flat_shard, norm_shard
-    engine.frozen_store = frozen_store
-    # [Note: cast on gather] No compute twin of the flat master: units cast their shard
-    # into a staging tensor right before each gather. The norm group keeps a twin.
-    engine.flat_compute = flat_shard.detach() if flat_shard.dtype == param_dtype else None
-    engine.norm_compute = _compute_twin(norm_shard, param_dtype) if norm_shard is not None else None
-    engine.unit_grads = ShardGrads(flat_shard, [])
-    engine.norm_grads = ShardGrads(norm_shard, []) if norm_shard is not None else None
-
-    _add_groups(engine, flat_groups[: len(unit_specs)], frozen_store, plan, root_spec, norm_spec)
-    engine.root_units = [unit for unit in engine.units if not unit.is_block]
-
-    _rewire_module(module, engine)
-    if init_on is not None:
-        # Frozen parameters and buffers; the sharded parameters are hidden from the
-        # init code, which would otherwise re-initialize them.
-        for flat_group in engine.groups():
-            flat_group.install_placeholders()
-        init_on.materialize_rest(module)
-        for flat_group in engine.groups():
-            flat_group.uninstall_views()
-    if sync_module_states:
-        _broadcast_replicated(module, group, stats)
-    _apply_activation_checkpointing(engine, activation_checkpointing)
-    engine.comm_stats.reset()
-    return engine
+    if plan.norms is not None:
+        norm_shard, _ = _build_master([(plan.specs[1], plan.norms, None)], **fill)
+    return EngineMasters(flat_shard=flat_shard, norm_shard=norm_shard, frozen_store=frozen_store)
 
 
-def _add_groups(engine, unit_groups, frozen_store, plan, root_spec, norm_spec) -> None:
+def _materialize_the_rest(module: nn.Module, engine: YaFSDPEngine, init_on: Materializer) -> None:
+    # Frozen parameters and buffers; the sharded parameters are hidden from the
+    # init code, which would otherwise re-initialize them.
+    for flat_group in engine.groups():
+        flat_group.install_placeholders()
+    init_on.materialize_rest(module)
+    for flat_group in engine.groups():
+        flat_group.uninstall_views()
+
+
+def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
     """Create the units (views into the masters and the frozen store) and the residents."""
+    unit_specs, norm_spec, root_spec, _ = plan.specs
+    units, residents = [], []
     offset = frozen_offset = 0
-    for index, (spec, layout, frozen_layout) in enumerate(unit_groups):
+    for index, (spec, layout, frozen_layout) in enumerate(_flat_groups(plan)[: len(unit_specs)]):
         kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
         if frozen_layout is not None:
             end = frozen_offset + frozen_layout.shard_numel
             kwargs.update(
                 frozen_layout=frozen_layout,
                 frozen_owners=spec.frozen_owners,
-                frozen_shard=frozen_store[frozen_offset:end],
+                frozen_shard=engine.frozen_store[frozen_offset:end],
             )
             frozen_offset = end
-        engine.units.append(
-            ShardedUnit(engine, index, spec.modules, is_block=spec.is_block, **kwargs)
-        )
+        units.append(ShardedUnit(engine, index, spec.modules, is_block=spec.is_block, **kwargs))
         offset += layout.shard_numel
     if plan.root is not None:
         kwargs = _group_kwargs(root_spec, plan.root, engine, "flat", offset)
-        engine.residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
+        residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
     if plan.norms is not None:
         kwargs = _group_kwargs(norm_spec, plan.norms, engine, "norm", 0)
-        engine.residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
+        residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
+    engine.add_groups(units, residents)
 
 
 @dataclass(frozen=True)
@@ -571,15 +594,6 @@ def _default_device(group: ProcessGroup) -> torch.device:
     if "nccl" in backend and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _compute_twin(master: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
-    # [Note: compute shards] The norm group's all_gather source. When the compute dtype
-    # equals the master dtype it IS the master shard (no copy); otherwise a twin that is
-    # refreshed once after every optimizer step (tiny; units cast on gather instead).
-    if master.dtype == param_dtype:
-        return master.detach()
-    return master.detach().to(param_dtype)
 
 
 def _group_kwargs(spec, layout, engine, which, offset) -> dict:

@@ -371,13 +371,6 @@ def _global_norms(func, args, kwargs):
     return list(total.unbind()) if many else total[0]
 
 
-def _over_whole_tensor(func, args, kwargs) -> bool:
-    # amax/amin take a dim list ([] = all); the other overloads reduce everything.
-    if func in (aten.amax.default, aten.amin.default):
-        return not (args[1] if len(args) > 1 else kwargs.get("dim", []))
-    return True
-
-
 def _global_reduction(func, tensor: ShardedTensor, kwargs: dict) -> torch.Tensor:
     """``sum``/``mean``/``max``/``all``... of the FULL tensor: one all_reduce (collective)."""
     local, group = tensor._local, tensor._group

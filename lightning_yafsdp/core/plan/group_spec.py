@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_yafsdp.core.flat_group import ParamOwner
+from lightning_yafsdp.core.runtime.flat_group import ParamOwner
 
 
 @dataclass

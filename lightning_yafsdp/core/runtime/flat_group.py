@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.autograd import Narrow
-from lightning_yafsdp.core.buffers import GradBuffer
-from lightning_yafsdp.core.layout import FlatLayout
-from lightning_yafsdp.core.sharded_param import ShardedTensor, ShardPlacement
+from lightning_yafsdp.core.comm.buffers import GradBuffer
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, ShardPlacement
+from lightning_yafsdp.core.runtime.autograd import Narrow
+from lightning_yafsdp.core.runtime.layout import FlatLayout
 
 
 @dataclass(frozen=True)

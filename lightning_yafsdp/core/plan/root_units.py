@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from lightning_yafsdp.core.group_spec import GroupSpec
+from lightning_yafsdp.core.plan.group_spec import GroupSpec
 
 # A root block smaller than this fraction of the largest block stays resident.
 ROOT_UNIT_MIN_FRACTION = 1 / 8

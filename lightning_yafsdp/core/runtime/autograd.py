@@ -21,7 +21,7 @@ same saved-tensor count in the original forward and in recomputation.
 Recomputation in backward must not read the views made in forward: under a
 reentrant checkpoint its nested backward would run through ``GateGradFlow``
 into the earlier units. Units install fresh views at pre-backward ([Note:
-fresh views for recomputation] in ``layer.py``).
+fresh views for recomputation] in ``unit.py``).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.sharded_param import local_of
+from lightning_yafsdp.core.optim.sharded_param import local_of
 
 RUN_NUMEL_CAP = 1 << 20
 

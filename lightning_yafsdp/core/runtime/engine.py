@@ -18,23 +18,23 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lightning_yafsdp.core.buffers import GatherStaging, GradBuffer, WeightBuffer
-from lightning_yafsdp.core.collectives import (
+from lightning_yafsdp.core.comm.buffers import GatherStaging, GradBuffer, WeightBuffer
+from lightning_yafsdp.core.comm.collectives import (
     CommStats,
     all_gather_into,
     all_reduce_,
     reduce_scatter_into,
     replicate_all_reduce,
 )
-from lightning_yafsdp.core.flat_group import FlatParamGroup
-from lightning_yafsdp.core.grads import ShardGrads
-from lightning_yafsdp.core.layer import ShardedUnit, UnitState
-from lightning_yafsdp.core.mesh import ShardMesh
-from lightning_yafsdp.core.optim_step import OptimizerStepSwap
-from lightning_yafsdp.core.order_guard import CollectiveOrderGuard
-from lightning_yafsdp.core.resident import ResidentGroup
-from lightning_yafsdp.core.sharded_param import ShardedTensor
-from lightning_yafsdp.core.streams import CommScheduler, PendingReduce, ScheduleEvent
+from lightning_yafsdp.core.comm.mesh import ShardMesh
+from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
+from lightning_yafsdp.core.comm.streams import CommScheduler, PendingReduce, ScheduleEvent
+from lightning_yafsdp.core.optim.grads import ShardGrads
+from lightning_yafsdp.core.optim.optim_step import OptimizerStepSwap
+from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
+from lightning_yafsdp.core.runtime.resident import ResidentGroup
+from lightning_yafsdp.core.runtime.unit import ShardedUnit, UnitState
 
 
 class EnginePhase(enum.Enum):
@@ -63,8 +63,30 @@ class ParamShard:
     tensor: torch.Tensor
 
 
+@dataclass(frozen=True)
+class EngineMasters:
+    """The flat tensors ``shard_model`` filled, handed to the engine when it is built.
+
+    Attributes:
+        flat_shard: the master shard of every unit and of the root remainder (master
+            dtype): every trainable sharded parameter outside the norms is a view of it.
+        norm_shard: the norm group's master shard, or None.
+        frozen_store: every unit's frozen parameters, sharded, in the compute dtype
+            ([Note: frozen shards]), or None.
+    """
+
+    flat_shard: torch.Tensor
+    norm_shard: torch.Tensor | None
+    frozen_store: torch.Tensor | None
+
+
 class YaFSDPEngine:
-    """Runtime state of one sharded model (see ``shard_model`` for the arguments)."""
+    """Runtime state of one sharded model (see ``shard_model`` for the arguments).
+
+    Built complete from the plan's buffer sizes and the filled master shards; only its
+    units and resident groups are added after (``add_groups``), since each is built
+    over the engine's buffers and masters.
+    """
 
     def __init__(
         self,
@@ -76,17 +98,10 @@ class YaFSDPEngine:
         reduce_dtype: torch.dtype,
         buffer_sizes,
         cast_forward_inputs: bool,
+        masters: EngineMasters,
     ) -> None:
         self.root = root
-        # [Note: hybrid sharding] ``group`` / ``rank`` / ``world_size``: every rank of the
-        # model (which parameters were used, checkpoint commits); the units are split
-        # over the shard group and, with several shard groups, their reduced grads are
-        # all-reduced over the replicate group.
-        self.mesh = mesh
-        self.group, self.rank, self.world_size = mesh.world_group, mesh.rank, mesh.world_size
-        self.shard_group, self.shard_rank = mesh.shard_group, mesh.shard_rank
-        self.shard_size = mesh.shard_size
-        self.replicate_group = mesh.replicate_group
+        self._adopt_mesh(mesh)
         self.device = device
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
@@ -107,21 +122,9 @@ class YaFSDPEngine:
                 zip(buffer_sizes.grads, buffer_sizes.grad_shards, strict=True)
             )
         ]
-        # Filled by shard_model.
+        self._adopt_masters(masters, buffer_sizes)
         self.units: list[ShardedUnit] = []
-        self.root_units: list[ShardedUnit] = []  # the units that are no block
         self.residents: list[ResidentGroup] = []
-        # The flat master shards (plain tensors): every sharded parameter is a view of one.
-        self.flat_shard: torch.Tensor | None = None
-        self.norm_shard: torch.Tensor | None = None
-        self.flat_compute: torch.Tensor | None = None
-        self.norm_compute: torch.Tensor | None = None
-        # Set by shard_model under mixed precision ([Note: cast on gather]).
-        self.gather_staging: GatherStaging | None = None
-        # Every unit's frozen parameters, sharded, in the compute dtype ([Note: frozen shards]).
-        self.frozen_store: torch.Tensor | None = None
-        self.unit_grads: ShardGrads | None = None
-        self.norm_grads: ShardGrads | None = None
         self._hooks: list = []
         # Iteration state.
         self.compute_version = 0
@@ -129,6 +132,46 @@ class YaFSDPEngine:
         self._weights_stale = True
         self._seen_master_versions: tuple[int, ...] = ()
         self.optimizer_swap = OptimizerStepSwap(self)
+
+    def _adopt_mesh(self, mesh: ShardMesh) -> None:
+        # [Note: hybrid sharding] ``group`` / ``rank`` / ``world_size``: every rank of the
+        # model (which parameters were used, checkpoint commits); the units are split
+        # over the shard group and, with several shard groups, their reduced grads are
+        # all-reduced over the replicate group.
+        self.mesh = mesh
+        self.group, self.rank, self.world_size = mesh.world_group, mesh.rank, mesh.world_size
+        self.shard_group, self.shard_rank = mesh.shard_group, mesh.shard_rank
+        self.shard_size = mesh.shard_size
+        self.replicate_group = mesh.replicate_group
+
+    def _adopt_masters(self, masters: EngineMasters, buffer_sizes) -> None:
+        # The flat master shards (plain tensors): every sharded parameter is a view of one.
+        self.flat_shard, self.norm_shard = masters.flat_shard, masters.norm_shard
+        self.frozen_store = masters.frozen_store
+        # [Note: cast on gather] No compute twin of the flat master: under mixed precision
+        # units cast their shard into a staging tensor right before each gather. The norm
+        # group keeps a twin.
+        mixed = self.flat_shard.dtype != self.param_dtype
+        self.gather_staging: GatherStaging | None = (
+            GatherStaging(buffer_sizes.grad_shards, dtype=self.param_dtype, device=self.device)
+            if mixed
+            else None
+        )
+        self.flat_compute = None if mixed else self.flat_shard.detach()
+        norm = self.norm_shard
+        self.norm_compute = _compute_twin(norm, self.param_dtype) if norm is not None else None
+        self.unit_grads = ShardGrads(self.flat_shard, [])
+        self.norm_grads = ShardGrads(self.norm_shard, []) if self.norm_shard is not None else None
+
+    def add_groups(self, units: list[ShardedUnit], residents: list[ResidentGroup]) -> None:
+        """The units, in module order, and the resident groups, built over this engine."""
+        self.units.extend(units)
+        self.residents.extend(residents)
+
+    @property
+    def root_units(self) -> list[ShardedUnit]:
+        """The units that are no block (embeddings, head: [Note: root units])."""
+        return [unit for unit in self.units if not unit.is_block]
 
     # -- what the optimizer sees -------------------------------------------------
 
@@ -621,3 +664,12 @@ class YaFSDPEngine:
 
 
 _FORWARD_STATES = (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD)
+
+
+def _compute_twin(master: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:
+    # [Note: compute shards] The norm group's all_gather source. When the compute dtype
+    # equals the master dtype it IS the master shard (no copy); otherwise a twin that is
+    # refreshed once after every optimizer step (tiny; units cast on gather instead).
+    if master.dtype == param_dtype:
+        return master.detach()
+    return master.detach().to(param_dtype)

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_yafsdp.core.buffers import GradBuffer, WeightBuffer
-from lightning_yafsdp.core.collectives import all_gather_into
-from lightning_yafsdp.core.flat_group import FlatParamGroup
-from lightning_yafsdp.core.grads import ShardGrads
+from lightning_yafsdp.core.comm.buffers import GradBuffer, WeightBuffer
+from lightning_yafsdp.core.comm.collectives import all_gather_into
+from lightning_yafsdp.core.optim.grads import ShardGrads
+from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
 
 if TYPE_CHECKING:
-    from lightning_yafsdp.core.engine import YaFSDPEngine
+    from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
 
 
 class ResidentGroup(FlatParamGroup):

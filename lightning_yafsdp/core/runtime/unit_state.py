@@ -1,7 +1,7 @@
 """A sharded unit's life in one iteration, as one explicit state machine.
 
 [Note: unit state machine]
-Every hook of a unit (``layer.py``) asks this machine whether it may act and
+Every hook of a unit (``unit.py``) asks this machine whether it may act and
 tells it what happened; no other flag says where a unit is. Modelled on FSDP2's
 per-group ``TrainingState``, with the states a flat-buffer engine needs:
 
