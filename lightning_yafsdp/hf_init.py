@@ -143,34 +143,6 @@ def _reset_lora_adapters(layer: nn.Module, configs: dict, name: str) -> None:
         layer.reset_lora_parameters(adapter, init)
 
 
-def _nearest_peft_config(module: nn.Module, parents) -> dict:
-    pending, seen = [module], set()
-    while pending:
-        current = pending.pop()
-        config = getattr(current, "peft_config", None)
-        if isinstance(config, dict):
-            return config
-        seen.add(id(current))
-        pending += [p for p in parents.get(id(current), ()) if id(p) not in seen]
-    return {}
-
-
-def _reset_lora_adapters(layer: nn.Module, configs: dict, name: str) -> None:
-    # As peft's LoraLayer.update_layer does at construction, for the inits that need no data.
-    for adapter in [*layer.lora_A.keys(), *layer.lora_embedding_A.keys()]:
-        config = configs.get(adapter)
-        init = getattr(config, "init_lora_weights", True)
-        if isinstance(init, str) and init.lower() != "gaussian":
-            raise ValueError(
-                f"LoRA adapter {adapter!r} of '{name}' uses init_lora_weights={init!r}, which "
-                "computes the adapter from the base weights (or data) when the adapter is "
-                "created; on the meta device there are none. Apply the adapter to a model "
-                "with real weights (e.g. `with torch.device('cpu'):` around from_pretrained "
-                "and get_peft_model in configure_model)."
-            )
-        layer.reset_lora_parameters(adapter, init)
-
-
 def _torch_init_guard() -> AbstractContextManager[None]:
     initialization = sys.modules.get("transformers.initialization")
     guard = getattr(initialization, "guard_torch_init_functions", None)
