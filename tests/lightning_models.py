@@ -20,6 +20,23 @@ from lightning_yafsdp.models.llama import Llama, LlamaConfig, hf_llama_config
 SEQ_LEN = 16
 
 
+def quiet_trainer(strategy, root: str, *, max_steps: int = 1) -> pl.Trainer:
+    """A two-rank CPU Trainer that writes nothing on its own (no logger, no checkpoints)."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=root,
+    )
+
+
 def tiny_llama_config() -> LlamaConfig:
     return LlamaConfig.from_name("tiny")
 

@@ -18,38 +18,21 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 
 from lightning_yafsdp.checkpoint import DamagedCheckpointError
 from lightning_yafsdp.cli.main import main
 from lightning_yafsdp.strategy import YaFSDPStrategy
 from tests.distributed import dist_run
-from tests.lightning_models import CausalLMModule, token_loader
-
-
-def _trainer(strategy, root: str) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=1,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
+from tests.lightning_models import CausalLMModule, quiet_trainer, token_loader
 
 
 def _write_checkpoints(root: str) -> None:
     """One optimizer step, saved as a sharded directory and as one file."""
-    trainer = _trainer("yafsdp", root)
+    trainer = quiet_trainer("yafsdp", root)
     trainer.fit(CausalLMModule(), token_loader(4))
     trainer.save_checkpoint(f"{root}/checkpoints/step-1.ckpt")
-    trainer = _trainer(YaFSDPStrategy(state_dict_type="full"), root)
+    trainer = quiet_trainer(YaFSDPStrategy(state_dict_type="full"), root)
     trainer.fit(CausalLMModule(), token_loader(4))
     trainer.save_checkpoint(f"{root}/checkpoints/full-step-1.ckpt")
 
@@ -220,7 +203,7 @@ def _fit_from(checkpoints: list[str], **strategy_kwargs) -> list[tuple[str, str,
     for checkpoint in checkpoints:
         model = CausalLMModule()
         strategy = YaFSDPStrategy(**strategy_kwargs)
-        trainer = _trainer(strategy, str(Path(checkpoint).parent.parent))
+        trainer = quiet_trainer(strategy, str(Path(checkpoint).parent.parent))
         weights = None
         try:
             trainer.fit(model, token_loader(4), ckpt_path=checkpoint)

@@ -23,23 +23,11 @@ from torch.distributed.tensor import DTensor
 from lightning_yafsdp.checkpoint import consolidate_checkpoint
 from lightning_yafsdp.strategy import YaFSDPStrategy
 from tests.distributed import dist_run
-from tests.lightning_models import CausalLMModule, token_loader
+from tests.lightning_models import CausalLMModule, quiet_trainer, token_loader
 
 
 def _fit_and_save(root: str, build: str) -> dict[str, torch.Tensor]:
-    trainer = pl.Trainer(
-        strategy="yafsdp",
-        accelerator="cpu",
-        devices=2,
-        max_steps=2,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer("yafsdp", root, max_steps=2)
     trainer.fit(CausalLMModule(build=build), token_loader(8))
     trainer.save_checkpoint(f"{root}/step-2.ckpt")
     # The trained weights, gathered, under the LightningModule's names ("model.layers.0...").
@@ -82,22 +70,6 @@ class FSDP2Module(CausalLMModule):
         fully_shard(self.model, mesh=mesh)
 
 
-def _trainer(strategy, root: str, max_steps: int = 2) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=max_steps,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
-
-
 def _fsdp2() -> Any:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -115,13 +87,13 @@ def _full_weights_of(trainer: pl.Trainer) -> dict[str, torch.Tensor]:
 
 
 def _fsdp2_to_yafsdp(root: str) -> dict[str, dict[str, torch.Tensor]]:
-    trainer = _trainer(_fsdp2(), root)
+    trainer = quiet_trainer(_fsdp2(), root, max_steps=2)
     trainer.fit(FSDP2Module(), token_loader(8))
     trainer.save_checkpoint(f"{root}/fsdp2.ckpt")
     saved = _full_weights_of(trainer)
     torch.manual_seed(1)  # other weights, so a load that does nothing shows
     module = CausalLMModule(build="configure_model")
-    trainer = _trainer("yafsdp", root)
+    trainer = quiet_trainer("yafsdp", root, max_steps=2)
     trainer.validate(module, token_loader(4), ckpt_path=f"{root}/fsdp2.ckpt", verbose=False)
     return {"saved": saved, "loaded": _full_weights_of(trainer)}
 
@@ -138,7 +110,7 @@ def test_an_fsdp2_checkpoint_of_model_parallel_strategy_loads_into_yafsdp(tmp_pa
 def _yafsdp_to_fsdp2(root: str, consolidated: str) -> dict[str, dict[str, torch.Tensor]]:
     saved = torch.load(consolidated, weights_only=False)["state_dict"]
     torch.manual_seed(1)
-    trainer = _trainer(_fsdp2(), root)
+    trainer = quiet_trainer(_fsdp2(), root, max_steps=2)
     trainer.validate(FSDP2Module(), token_loader(4), ckpt_path=consolidated, verbose=False)
     return {"saved": saved, "loaded": _full_weights_of(trainer)}
 

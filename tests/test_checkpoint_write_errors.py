@@ -18,32 +18,15 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 
 from lightning_yafsdp.checkpoint import verify_checkpoint
 from lightning_yafsdp.strategy import YaFSDPStrategy
 from tests.distributed import dist_run
-from tests.lightning_models import CausalLMModule, token_loader
+from tests.lightning_models import CausalLMModule, quiet_trainer, token_loader
 
 # Far below a shard (about 200 kB here): the first data write fails.
 FILE_SIZE_LIMIT_BYTES = 4096
-
-
-def _trainer(strategy, root: str) -> pl.Trainer:
-    return pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=2,
-        max_steps=1,
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        default_root_dir=root,
-    )
 
 
 @contextmanager
@@ -65,7 +48,7 @@ def _tree_hash(path: Path) -> dict[str, str]:
 
 
 def _save_onto_a_checkpoint_while_writes_fail(root: str, state_dict_type: str) -> dict:
-    trainer = _trainer(YaFSDPStrategy(state_dict_type=state_dict_type), root)
+    trainer = quiet_trainer(YaFSDPStrategy(state_dict_type=state_dict_type), root)
     trainer.fit(CausalLMModule(), token_loader(4))
     path = Path(root) / "checkpoints" / "last.ckpt"
     trainer.save_checkpoint(path)
