@@ -499,7 +499,9 @@ def _index_keyed_errors(root: str) -> dict:
     named = {id(p): n for n, p in plain.named_parameters()}
     for group, current in zip(saved["param_groups"], optimizer.param_groups, strict=True):
         group["param_names"] = [named[id(p)] for p in current["params"]]
-    torch.save({"state_dict": plain.state_dict(), "optimizer_states": [saved]}, f"{root}/ddp.pt")
+    if torch.distributed.get_rank() == 0:  # one writer: two ranks writing one file tear it
+        torch.save({"state_dict": plain.state_dict(), "optimizer_states": [saved]}, f"{root}/ddp.pt")
+    torch.distributed.barrier()
     errors = {}
     for label, build in (
         ("two groups", lambda m: [g for g in _three_groups(m)[:2]]),
