@@ -500,7 +500,8 @@ def _index_keyed_errors(root: str) -> dict:
     for group, current in zip(saved["param_groups"], optimizer.param_groups, strict=True):
         group["param_names"] = [named[id(p)] for p in current["params"]]
     if torch.distributed.get_rank() == 0:  # one writer: two ranks writing one file tear it
-        torch.save({"state_dict": plain.state_dict(), "optimizer_states": [saved]}, f"{root}/ddp.pt")
+        state = {"state_dict": plain.state_dict(), "optimizer_states": [saved]}
+        torch.save(state, f"{root}/ddp.pt")
     torch.distributed.barrier()
     errors = {}
     for label, build in (
