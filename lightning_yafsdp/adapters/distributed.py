@@ -16,6 +16,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from lightning_yafsdp._registration import STRATEGY_DESCRIPTION
+from lightning_yafsdp.core.comm import collectives
 
 if TYPE_CHECKING:
     from lightning.fabric.plugins import ClusterEnvironment
@@ -77,6 +78,4 @@ def barrier(root_device: torch.device) -> None:
 def broadcast_object(obj: T, src: int = 0) -> T:
     if not _distributed_is_initialized():
         return obj
-    wrapped = [obj]
-    torch.distributed.broadcast_object_list(wrapped, src, group=_group.WORLD)
-    return wrapped[0]
+    return collectives.broadcast_object(obj, src_rank=src, group=_group.WORLD)

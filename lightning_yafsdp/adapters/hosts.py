@@ -18,9 +18,9 @@ import socket
 from collections import Counter
 from collections.abc import Sequence
 
-import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
+from lightning_yafsdp.core.comm.collectives import all_gather_objects
 from lightning_yafsdp.core.comm.mesh import ShardMesh
 
 
@@ -47,8 +47,7 @@ def warn_if_shard_groups_are_spread(mesh: ShardMesh) -> None:
     """Warns (rank 0) when a shard group spans more machines than it needs. Collective."""
     if not mesh.is_hybrid:
         return
-    hostnames: list[str | None] = [None] * mesh.world_size
-    dist.all_gather_object(hostnames, socket.gethostname(), group=mesh.world_group)
+    hostnames = all_gather_objects(socket.gethostname(), group=mesh.world_group)
     spread = spread_shard_groups([str(name) for name in hostnames], mesh.shard_size)
     if not spread:
         return

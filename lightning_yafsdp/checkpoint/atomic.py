@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_yafsdp.checkpoint.errors import CheckpointSaveError
+from lightning_yafsdp.core.comm.collectives import all_gather_objects
 
 # What a save may raise: DCP's wrapper of every rank's error is a BaseException.
 SAVE_FAILURES = (Exception, CheckpointException)
@@ -188,8 +189,7 @@ def agree(
     free = _free_bytes(room_for) if room_for is not None and _rank(group) == 0 else None
     report = (failure_lines(error, _rank(group)), bytes_here, free)
     if _world_size(group) > 1:
-        reports: list = [None] * _world_size(group)
-        dist.all_gather_object(reports, report, group=group)
+        reports = all_gather_objects(report, group=group)
     else:
         reports = [report]
     failures: dict[int, str] = {}

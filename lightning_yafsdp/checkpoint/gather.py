@@ -35,7 +35,11 @@ from lightning_yafsdp.checkpoint.trees import (
     map_leaves,
     sharded_leaves,
 )
-from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
+from lightning_yafsdp.core.comm.collectives import (
+    CommStats,
+    all_gather_into,
+    all_gather_objects,
+)
 from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
 
 DEFAULT_BUCKET_NUMEL = 1 << 26  # full elements per all_gather (256 MiB of fp32)
@@ -88,9 +92,7 @@ def gather_full(
         (path, tuple(r.shape), str(r.dtype), r.start, r.end, _identity(r))
         for (path, _), r in zip(found, ranges, strict=True)
     ]
-    everyone = [mine] if world == 1 else [None] * world
-    if world > 1:
-        dist.all_gather_object(everyone, mine, group=group)
+    everyone = [mine] if world == 1 else all_gather_objects(mine, group=group)
     leaves = _pair_leaves(everyone, ranges)
     keep = rank == 0 or not rank0_only
     by_identity: dict[tuple, torch.Tensor | None] = {}

@@ -26,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME, fsync_file
+from lightning_yafsdp.core.comm.collectives import all_gather_objects
 
 MANIFEST_FILENAME = "yafsdp-manifest.json"
 MANIFEST_VERSION = 1
@@ -74,8 +75,7 @@ def write_manifest(
             error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered: list[Any] = [(digests, error)]
     if world_size > 1:
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, (digests, error), group=group)
+        gathered = all_gather_objects((digests, error), group=group)
     errors = [e for _, e in gathered if e is not None]
     if failure is not None:
         raise failure

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME
 from lightning_yafsdp.checkpoint.errors import DamagedCheckpointError, NotACheckpointError
 from lightning_yafsdp.checkpoint.manifest import MANIFEST_FILENAME, file_digest, read_manifest
+from lightning_yafsdp.core.comm.collectives import all_gather_objects, broadcast_object
 
 META_FILENAME = "meta.pt"  # sharded.META_FILENAME (sharded.py imports this module)
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -102,14 +103,13 @@ def verify_on_rank_zero(path: str | os.PathLike, *, group=None, checksums: bool 
             verify_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 - the others must hear of any failure
             error = exc
-    outcome: list[str | None] = [type(error).__name__ if error is not None else None]
-    dist.broadcast_object_list(
-        outcome, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group
+    outcome = broadcast_object(
+        type(error).__name__ if error is not None else None, src_rank=0, group=group
     )
     if error is not None:
         raise error
-    if outcome[0] is not None:
-        _raise_reported_by_rank_zero(path, outcome[0])
+    if outcome is not None:
+        _raise_reported_by_rank_zero(path, outcome)
     if checksums:
         _compare_checksums_over_ranks(Path(path), group=group)
 
@@ -129,8 +129,8 @@ def _compare_checksums_over_ranks(path: Path, *, group) -> None:
     unless the user opts out (``verify_checksums=False``). Reading every byte is the
     cost, so the work is shared: ``__<r>_<i>.distcp`` goes to rank ``r % world_size``
     (at the same world size, the file that rank is about to read, which leaves it in
-    the page cache for DCP) and rank 0 takes the small files. One ``all_gather_object``
-    of the messages follows, so every rank stops before anything is loaded.
+    the page cache for DCP) and rank 0 takes the small files. One all_gather of the
+    messages follows, so every rank stops before anything is loaded.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     message = None
@@ -141,8 +141,7 @@ def _compare_checksums_over_ranks(path: Path, *, group) -> None:
             _verify_zip_checksums(path, checkpoint=path)
     except DamagedCheckpointError as exc:
         message = str(exc)
-    messages: list[str | None] = [None] * world_size
-    dist.all_gather_object(messages, message, group=group)
+    messages = all_gather_objects(message, group=group)
     found = [m for m in messages if m is not None]
     if found and rank == 0:
         raise DamagedCheckpointError(found[0])

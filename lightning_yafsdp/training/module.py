@@ -21,6 +21,7 @@ import torchmetrics
 from torch import nn
 
 from lightning_yafsdp.config import RunConfig
+from lightning_yafsdp.core.comm.collectives import all_reduce_
 from lightning_yafsdp.training.curriculum import Curriculum
 from lightning_yafsdp.training.guard import DivergenceGuard
 from lightning_yafsdp.training.models import build_model, model_init_fn
@@ -205,7 +206,7 @@ class CausalLMModule(pl.LightningModule):
         # and the logged loss is then the global one with no extra sync.
         if dist.is_available() and dist.is_initialized() and self.trainer.world_size > 1:
             value = value.clone()
-            dist.all_reduce(value)
+            all_reduce_(value, None)
             value /= self.trainer.world_size
         return value
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 
+from lightning_yafsdp.core.comm.collectives import all_reduce_
 from lightning_yafsdp.core.plan.policy import find_units
 from lightning_yafsdp.training.stats import log_event_metrics
 
@@ -87,7 +88,7 @@ class Thermometers(Callback):
             else torch.zeros(0, device=device)
         )
         if dist.is_available() and dist.is_initialized() and stacked.numel():
-            dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+            all_reduce_(stacked, None, op=dist.ReduceOp.MAX)
         values = {}
         for i, name in enumerate(names):
             values[f"thermo/{name}/act_max"] = stacked[i].item()

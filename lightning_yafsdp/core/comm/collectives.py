@@ -10,9 +10,10 @@ which stream and with which waits a collective is issued.
 
 from __future__ import annotations
 
+import pickle
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -180,10 +181,15 @@ def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype
 
 
 def all_reduce_(
-    tensor: torch.Tensor, group: ProcessGroup, *, op: ReduceOp = ReduceOp.SUM, stats: CommStats
+    tensor: torch.Tensor,
+    group: ProcessGroup | None,
+    *,
+    op: ReduceOp = ReduceOp.SUM,
+    stats: CommStats | None = None,
 ) -> None:
-    """In-place blocking all_reduce (used for the global grad norm)."""
-    stats.add("all_reduce", tensor.numel() * tensor.element_size())
+    """In-place blocking all_reduce (global norms and reductions, logged metrics)."""
+    if stats is not None:
+        stats.add("all_reduce", tensor.numel() * tensor.element_size())
     _issue(dist.all_reduce, tensor, tensor, op=op, group=group, async_op=False)
 
 
@@ -194,3 +200,63 @@ def broadcast_(
     stats.add("broadcast", tensor.numel() * tensor.element_size())
     src = dist.get_global_rank(group, src_rank)
     _issue(dist.broadcast, tensor, tensor, src=src, group=group, async_op=False)
+
+
+# [Note: object collectives] torch's ``all_gather_object``/``broadcast_object_list``
+# make their own tensors and wait inside, out of ``_issue``'s reach, and checkpoint
+# saves and loads end with them, often right before the program exits
+# ([Note: gloo work outlives its wait]). These two send the pickled bytes through
+# ``_issue`` instead: a size, then the padded bytes.
+
+
+def all_gather_objects(obj: Any, *, group: ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in group-rank order. Blocking."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    device = _object_device(group)
+    payload = _pickled(obj, device)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    _issue(_all_gather_single, size, sizes, size, group=group, async_op=False)
+    counts = sizes.tolist()
+    width = max(counts)
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[: payload.numel()].copy_(payload)
+    gathered = torch.empty(width * world, dtype=torch.uint8, device=device)
+    _issue(_all_gather_single, padded, gathered, padded, group=group, async_op=False)
+    gathered = gathered.cpu()
+    return [_unpickled(gathered[r * width : r * width + n]) for r, n in enumerate(counts)]
+
+
+def broadcast_object(obj: Any, *, src_rank: int = 0, group: ProcessGroup | None = None) -> Any:
+    """``obj`` of group rank ``src_rank`` (picklable) on every rank; others pass None. Blocking."""
+    if dist.get_world_size(group) == 1:
+        return obj
+    device = _object_device(group)
+    src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+    sending = dist.get_rank(group) == src_rank
+    payload = _pickled(obj, device) if sending else None
+    size = torch.tensor([payload.numel() if sending else 0], dtype=torch.int64, device=device)
+    _issue(dist.broadcast, size, size, src=src, group=group, async_op=False)
+    if not sending:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _issue(dist.broadcast, payload, payload, src=src, group=group, async_op=False)
+    return obj if sending else _unpickled(payload.cpu())
+
+
+def _object_device(group: ProcessGroup | None) -> torch.device:
+    """Where a group's object bytes travel: the GPU for an NCCL-only group, else the CPU."""
+    backend = str(dist.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _pickled(obj: Any, device: torch.device) -> torch.Tensor:
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    return payload.to(device)
+
+
+def _unpickled(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())  # noqa: S301 - bytes from our own ranks

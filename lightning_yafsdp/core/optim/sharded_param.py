@@ -48,6 +48,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lightning_yafsdp.core.comm.collectives import (
+    CommStats,
+    all_gather_into,
+    all_gather_objects,
+    all_reduce_,
+)
+
 aten = torch.ops.aten
 
 _LOCAL_LIKE = {
@@ -234,13 +241,12 @@ def gather_full(tensor: ShardedTensor) -> torch.Tensor:
             "process group, so the other ranks' elements cannot be gathered"
         )
     world = dist.get_world_size(group)
-    counts = [None] * world
-    dist.all_gather_object(counts, placement.numel, group=group)
+    counts = all_gather_objects(placement.numel, group=group)
     width = max(counts)
     padded = torch.zeros(width, dtype=tensor.dtype, device=tensor.device)
     padded[: placement.numel].copy_(tensor._local)
     pieces = torch.empty(width * world, dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_into_tensor(pieces, padded, group=group)
+    all_gather_into(pieces, padded, group, async_op=False, stats=CommStats())
     # Pieces are consecutive in rank order (the flat layout's shards are).
     full = torch.cat([pieces[r * width : r * width + n] for r, n in enumerate(counts)])
     return full.view(placement.shape)
@@ -365,7 +371,7 @@ def _global_norms(func, args, kwargs):
             "the norm of a ShardedTensor that belongs to no process group (loaded from a "
             "file) cannot be computed: the other ranks' elements are not reachable"
         )
-    dist.all_reduce(partial, op=op, group=group)
+    all_reduce_(partial, group, op=op)
     total = partial if order in (0.0, math.inf) else partial.pow(1.0 / order)
     total = total.to(dtype or tensors[0].dtype)
     return list(total.unbind()) if many else total[0]
@@ -389,7 +395,7 @@ def _global_reduction(func, tensor: ShardedTensor, kwargs: dict) -> torch.Tensor
         partial = local.new_full((), info.min if op is dist.ReduceOp.MAX else info.max)
     flag = partial.dtype == torch.bool
     partial = partial.to(torch.uint8) if flag else partial.clone()
-    dist.all_reduce(partial, op=op, group=group)
+    all_reduce_(partial, group, op=op)
     if func is aten.mean.default:
         return partial / math.prod(tensor._placement.shape)
     return partial.to(torch.bool) if flag else partial
