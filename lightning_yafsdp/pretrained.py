@@ -19,6 +19,8 @@ but every rank then holds the whole model until ``setup`` shards it.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import sys
@@ -90,12 +92,17 @@ class SafetensorsSource:
 def lazy_from_pretrained() -> Iterator[None]:
     """Within this context, ``from_pretrained`` returns a meta model that loads lazily.
 
-    A no-op when transformers has not been imported (then no model can come from it).
+    A no-op when transformers is not installed. Entered before the meta-device context:
+    transformers loads ``modeling_utils`` lazily, on first use of a model class, which
+    ``configure_model`` itself may be (``from transformers import ...`` inside it), so it
+    is imported here, on the real device, if it is not yet.
     """
     modeling_utils = sys.modules.get("transformers.modeling_utils")
     if modeling_utils is None:
-        yield
-        return
+        if importlib.util.find_spec("transformers") is None:
+            yield
+            return
+        modeling_utils = importlib.import_module("transformers.modeling_utils")
     pretrained_class = modeling_utils.PreTrainedModel
     original = pretrained_class.__dict__["from_pretrained"]
 

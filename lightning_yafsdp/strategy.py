@@ -332,7 +332,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         # ever holds the whole model. from_pretrained builds on meta too and is loaded
         # from its checkpoint one group at a time (lightning_yafsdp/pretrained.py).
         # `with torch.device("cpu"):` inside configure_model builds real tensors instead.
-        with torch.device("meta"), lazy_from_pretrained():
+        with lazy_from_pretrained(), torch.device("meta"):
             yield
 
     @override

@@ -238,7 +238,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
     @override
     def module_sharded_context(self) -> Generator[None, None, None]:
         # [Note: meta-device configure_model] in lightning_yafsdp/strategy.py.
-        with torch.device("meta"), lazy_from_pretrained():
+        with lazy_from_pretrained(), torch.device("meta"):
             yield
 
     @override
