@@ -73,7 +73,10 @@ except ImportError:  # imported as benchmarks.compare from the repository root
 
 WORLD_SIZE = 2
 FLOOR = "floor"  # one process, no distribution: the compute floor of a step
-STRATEGIES = ("yafsdp", "ddp", "fsdp2", "fsdp", "deepspeed", FLOOR)
+# yafsdp-whole: yafsdp with vocabulary-sized units kept whole (vocab_chunks=False), to
+# measure row chunks ([Note: row chunks]) side by side; only when asked for.
+WHOLE = "yafsdp-whole"
+STRATEGIES = ("yafsdp", "ddp", "fsdp2", "fsdp", "deepspeed", FLOOR, WHOLE)
 PEERS = ("ddp", "fsdp2", "fsdp", "deepspeed")
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp": "FSDP1", "deepspeed": "DeepSpeed"}
 OURS = "yafsdp"
@@ -199,7 +202,7 @@ def _make_module(cfg: dict):
             return loss
 
         def configure_optimizers(self):
-            if cfg["strategy"] == OURS:
+            if cfg["strategy"] in (OURS, WHOLE):
                 from lightning_yafsdp.core import get_engine
 
                 params = get_engine(self).param_groups(weight_decay=0.1)
@@ -224,6 +227,10 @@ def _make_strategy(cfg: dict):
         return FSDPStrategy(auto_wrap_policy={TransformerBlock})
     if name == "deepspeed":
         return "deepspeed_stage_3"
+    if name == WHOLE:
+        from lightning_yafsdp import YaFSDPStrategy
+
+        return YaFSDPStrategy(vocab_chunks=False)
     return name  # "yafsdp" (registered by import lightning_yafsdp), "ddp"
 
 
@@ -234,7 +241,7 @@ def _timer_callback(cfg: dict, rank: int):
     cuda = cfg["accelerator"] == "cuda"
 
     def engine_of(trainer):
-        if cfg["strategy"] != OURS:
+        if cfg["strategy"] not in (OURS, WHOLE):
             return None
         return trainer.strategy.engine
 
@@ -806,7 +813,9 @@ def main(argv: list[str] | None = None) -> int:
         help="auto: cuda when 2 GPUs are visible, else cpu",
     )
     parser.add_argument(
-        "--strategies", default=",".join(STRATEGIES), help="comma-separated subset to run"
+        "--strategies",
+        default=",".join(s for s in STRATEGIES if s != WHOLE),
+        help=f"comma-separated subset to run (also {WHOLE}: yafsdp, vocab_chunks=False)",
     )
     parser.add_argument(
         "--no-memory-pass",

@@ -340,6 +340,8 @@ class StrategyConfig:
         verify_checksums: Compare a resumed checkpoint's files with the CRC-32s recorded
             at save before loading it (default true; ``strategy.verify_checksums=false``
             on the command line skips it, e.g. for a checkpoint edited on purpose).
+        vocab_chunks: Run an embedding or head larger than a block in row chunks of at
+            most a block each (ZeRO-3, flat sharding), so no buffer is vocabulary-sized.
     """
 
     name: str = "yafsdp"
@@ -350,6 +352,7 @@ class StrategyConfig:
     sync_module_states: bool = False
     shard_size: int | None = None
     verify_checksums: bool = True
+    vocab_chunks: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))

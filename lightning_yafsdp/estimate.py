@@ -44,7 +44,8 @@ from torch import nn
 
 from lightning_yafsdp.config import ConfigError, RunConfig
 from lightning_yafsdp.core.comm.mesh import default_shard_size
-from lightning_yafsdp.core.plan.sharding import NORM_GROUP, ROOT_GROUP, buffer_sizes, plan_layouts
+from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes
+from lightning_yafsdp.core.plan.sharding import NORM_GROUP, ROOT_GROUP, plan_layouts
 from lightning_yafsdp.dtype_policy import DtypePolicy
 
 GiB = 1024**3
@@ -109,6 +110,8 @@ class Estimate:
     num_parameters: int
     units: list[GroupSize]
     residents: list[GroupSize]
+    # The units of the schedule: each unit, or each row chunk of one ([Note: row chunks]).
+    schedule: list[ScheduledUnit] = field(default_factory=list)
     master_shards: int = 0
     compute_shards: int = 0
     gather_staging: int = 0
@@ -227,14 +230,21 @@ def fit_verdict(est: Estimate, device_bytes: int, *, given: str) -> tuple[bool, 
 
 
 def group_sizes(
-    model: nn.Module, world_size: int, *, units=None, norm_classes=None
-) -> tuple[list[GroupSize], list[GroupSize]]:
-    """The engine's flat groups of ``model`` (meta device is fine): units, residents.
+    model: nn.Module, world_size: int, *, units=None, norm_classes=None, vocab_chunks=False
+) -> tuple[list[GroupSize], list[GroupSize], list[ScheduledUnit]]:
+    """The engine's flat groups of ``model`` (meta device is fine): units, residents, schedule.
 
     Units are the blocks and the root units in module order; residents are listed
-    as the engine builds them: the resident root remainder, then norms.
+    as the engine builds them: the resident root remainder, then norms. The schedule
+    lists each unit, or each of its row chunks ([Note: row chunks]).
     """
-    plan = plan_layouts(model, world_size=world_size, units=units, norm_classes=norm_classes)
+    plan = plan_layouts(
+        model,
+        world_size=world_size,
+        units=units,
+        norm_classes=norm_classes,
+        vocab_chunks=vocab_chunks,
+    )
 
     def size(name, layout, *, is_block=False, frozen=None, reads=True) -> GroupSize:
         return GroupSize(
@@ -260,7 +270,7 @@ def group_sizes(
             plan.units, plan.blocks, plan.frozen, plan.backward_reads_weights, strict=True
         )
     ]
-    return unit_sizes, residents
+    return unit_sizes, residents, plan.schedule()
 
 
 def estimate(
@@ -291,7 +301,10 @@ def estimate(
     policy = DtypePolicy.from_flag(config.trainer.precision)
     master_dtype, param_dtype = policy.master_dtype, policy.param_dtype
     reduce_dtype = getattr(torch, config.strategy.reduce_dtype)
-    units, residents = group_sizes(model, shard_size)
+    # As shard_model decides: ZeRO-3 with flat sharding runs vocabulary-sized modules in chunks.
+    strategy = config.strategy
+    chunked = strategy.vocab_chunks and strategy.zero_stage == 3 and shard_size == world_size
+    units, residents, schedule = group_sizes(model, shard_size, vocab_chunks=chunked)
     p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))
     est = Estimate(
         world_size=world_size,
@@ -304,6 +317,7 @@ def estimate(
         num_parameters=sum(t.numel() for t in {id(t): t for t in model.parameters()}.values()),
         units=units,
         residents=residents,
+        schedule=schedule,
         micro_batches=config.trainer.accumulate_grad_batches,
     )
     _state_bytes(est, config.strategy.zero_stage)
@@ -311,11 +325,6 @@ def estimate(
     _activation_bytes(est, config, model)
     est.checkpointed_units = checkpointed_units(est, config)
     return est
-
-
-def _gathered(units: list[GroupSize]) -> list[int]:
-    """What each unit's gather writes: its trainable and its frozen padded elements."""
-    return [g.padded_numel + g.frozen_padded_numel for g in units]
 
 
 def _state_bytes(est: Estimate, zero_stage: int) -> None:
@@ -330,13 +339,8 @@ def _state_bytes(est: Estimate, zero_stage: int) -> None:
     est.frozen_shards = sum(g.frozen_shard_numel for g in units) * p
     est.grad_shards = est.master_shards
     est.optimizer_states = 2 * est.master_shards
-    slots = buffer_sizes(
-        _gathered(units),
-        [g.padded_numel for g in units],
-        [g.shard_numel for g in units],
-        zero_stage,
-    )
-    est.gather_staging = sum(slots.grad_shards) * p if p != m else 0
+    slots = buffer_sizes(est.schedule, zero_stage)
+    est.gather_staging = sum(slots.staging) * p if p != m else 0
     est.weight_buffers = sum(slots.weights) * p
     est.grad_buffers = (sum(slots.grads) + sum(slots.grad_shards)) * r
     est.resident_buffers = sum(
@@ -346,15 +350,17 @@ def _state_bytes(est: Estimate, zero_stage: int) -> None:
 
 def _traffic_bytes(est: Estimate, zero_stage: int) -> None:
     """Collective bytes, as ``engine.comm_stats`` counts them."""
-    units, residents = est.units, est.residents
+    units, residents, schedule = est.units, est.residents, est.schedule
     p, r = est.param_bytes, est.reduce_bytes
-    gathered = _gathered(units)
+    gathered = [u.gather_comm for u in schedule]
     regathered = []
     if zero_stage == 3:  # all but the last two units, plain embeddings excepted
-        regathered = [n for n, g in zip(gathered[:-2], units[:-2]) if g.backward_reads_weights]
+        regathered = [u.gather_comm for u in schedule[:-2] if u.reads_weights]
     est.all_gather_per_micro_batch = (sum(gathered) + sum(regathered)) * p
     est.all_gather_per_step = sum(g.padded_numel for g in residents) * p
-    est.reduce_scatter_per_micro_batch = sum(g.padded_numel for g in (*units, *residents)) * r
+    est.reduce_scatter_per_micro_batch = (
+        sum(u.reduce_comm for u in schedule) + sum(g.padded_numel for g in residents)
+    ) * r
     if est.world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
         est.all_reduce_per_micro_batch = sum(g.num_params for g in (*units, *residents))
     if est.is_hybrid:  # each reduced shard, across the replicas

@@ -155,6 +155,11 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         device_mesh: Instead of ``shard_size``: ``(replicas, shard_size)`` as
             FSDPStrategy takes it, or a 2-D ``DeviceMesh`` with
             ``mesh_dim_names=("replicate", "shard")`` (or a 1-D one: flat).
+        vocab_chunks: Run a token embedding or output head larger than a block (every
+            128k-256k vocabulary) in row chunks of at most one block each, so the two
+            buffer slots are block-sized (ZeRO-3 with flat sharding; plain
+            ``nn.Embedding`` / ``nn.Linear`` only). Default True; False keeps them whole
+            units, each gathered at once (docs/design.md, Row chunks).
 
     Raises:
         TypeError: for an argument this strategy does not take (with the replacement
@@ -180,6 +185,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         verify_checksums: bool = True,
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
+        vocab_chunks: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

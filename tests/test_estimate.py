@@ -35,6 +35,7 @@ def _engine_facts(overrides: tuple[str, ...]) -> dict:
         zero_stage=config.strategy.zero_stage,
         param_init_fn=model_init_fn(model),
         shard_size=config.strategy.shard_size,
+        vocab_chunks=config.strategy.vocab_chunks,
     )
     tokens = torch.randint(0, 256, (2, 17))
     engine.comm_stats.reset()
@@ -50,13 +51,20 @@ def _engine_facts(overrides: tuple[str, ...]) -> dict:
     }
 
 
+# A vocabulary of 3001 makes the embedding and the head 2.5 blocks each: they run in row
+# chunks ([Note: row chunks]) whose parts straddle the ranks' shards unevenly.
+_CHUNKED = "model.vocab_size=3001"
 _CASES = {
     1: [("trainer.precision=32-true",)],
     2: [
         ("trainer.precision=32-true",),
         ("trainer.precision=bf16-mixed", "strategy.reduce_dtype=bfloat16"),
         ("trainer.precision=32-true", "strategy.zero_stage=2"),
+        ("trainer.precision=32-true", _CHUNKED),
+        ("trainer.precision=bf16-mixed", _CHUNKED),
+        ("trainer.precision=32-true", _CHUNKED, "strategy.vocab_chunks=false"),
     ],
+    3: [("trainer.precision=bf16-mixed", _CHUNKED)],
     # Hybrid sharding: 2 replicas x 2 sharded ranks.
     4: [
         ("trainer.precision=32-true", "strategy.shard_size=2"),
@@ -87,6 +95,17 @@ def test_memory_estimate_equals_the_engine_memory_report(runs: dict) -> None:
 def test_traffic_estimate_equals_the_engine_comm_stats(runs: dict) -> None:
     for case, facts in runs.items():
         assert facts["estimated_traffic"] == facts["traffic"], case
+
+
+def test_row_chunks_make_the_buffer_slots_block_sized(runs: dict) -> None:
+    chunked = runs[(2, ("trainer.precision=32-true", _CHUNKED))]["engine"]
+    whole = runs[(2, ("trainer.precision=32-true", _CHUNKED, "strategy.vocab_chunks=false"))]
+    plain = runs[(2, ("trainer.precision=32-true",))]["engine"]
+    # Vocabulary 3001 x dim 64 (192k elements per embedding) against ~53k per block: the
+    # slots are the blocks' size with chunks, and vocabulary-sized without.
+    assert chunked["weight_buffers"] == plain["weight_buffers"]
+    assert whole["engine"]["weight_buffers"] > 3 * chunked["weight_buffers"]
+    assert chunked["master_shards"] == whole["engine"]["master_shards"]
 
 
 def test_hybrid_sharding_sends_in_each_group_what_the_formula_says(runs: dict) -> None:
@@ -155,11 +174,11 @@ def test_sharding_divides_the_state_by_the_world_size() -> None:
 GB = 1e9
 
 
-def _floor_estimate(preset: str, world_size: int, model=None):
+def _floor_estimate(preset: str, world_size: int, model=None, options=()):
     config = load_config(
         None,
         [f"model.preset={preset}", "trainer.precision=bf16-mixed", "data.seq_len=4096",
-         "data.batch_size=1"],
+         "data.batch_size=1", *options],
     )  # fmt: skip
     return estimate(config, world_size=world_size, model=model)
 
@@ -177,13 +196,22 @@ def test_persistent_memory_at_70b_is_the_yafsdp_floor() -> None:
     llama2 = _floor_estimate("llama2-70b", 64)
     assert llama2.states / _yafsdp_floor(llama2) < 1.02
     # Llama 3 70B (vocab 128k): its embedding and head (1.05B elements each) are larger
-    # than a block (0.86B), and each of the two buffer slots serves one of them, so the
-    # slots are embedding-sized: +9.1% over a floor counted with block-sized buffers
-    # (it was +54% with the resident root group: 43.0 GB against 30.5 GB now).
+    # than a block (0.86B); they run in row chunks of at most a block ([Note: row
+    # chunks]), so the slots are block-sized: +0.7% (1.091x with vocabulary-sized slots).
     llama3 = _floor_estimate("llama3-70b", 64)
-    assert llama3.states / _yafsdp_floor(llama3) < 1.10
+    assert llama3.states / _yafsdp_floor(llama3) < 1.01
+    whole = _floor_estimate("llama3-70b", 64, options=["strategy.vocab_chunks=false"])
+    assert whole.states / _yafsdp_floor(whole) > 1.09
     assert llama3.resident_buffers < 0.01 * GB  # the norms only
     assert llama3.compute_shards < 0.01 * GB  # no bf16 twin of the master shards
+
+
+def test_persistent_memory_of_llama3_8b_at_64_ranks_is_the_yafsdp_floor() -> None:
+    # The 128k vocabulary's embedding and head are 2.4 blocks each: 8.41 GB per rank with
+    # vocabulary-sized slots (1.82x the floor), 4.71 GB in row chunks (1.017x).
+    est = _floor_estimate("llama3-8b", 64)
+    assert est.states / _yafsdp_floor(est) < 1.02
+    assert est.weight_buffers == 2 * 2 * max(g.padded_numel for g in est.units if g.is_block)
 
 
 def test_lora_on_a_frozen_70b_base_keeps_no_state_for_the_base() -> None:

@@ -271,6 +271,7 @@ SHARDING_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "param_init_fn": check_param_init_fn,
     "sync_module_states": check_optional_bool,
     "cast_forward_inputs": check_bool,
+    "vocab_chunks": check_bool,
     "timeout": check_timeout,
     "process_group_backend": check_process_group_backend,
     "state_dict_type": check_state_dict_type,

@@ -58,6 +58,7 @@ class ShardingOptions:
     verify_checksums: bool = True
     shard_size: int | None = None
     device_mesh: Any = None  # a DeviceMesh or (replicas, shard_size)
+    vocab_chunks: bool = True
 
     def __post_init__(self) -> None:
         # [Note: arguments checked in the constructor] (arguments.py): each value is

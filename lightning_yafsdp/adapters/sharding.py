@@ -77,6 +77,7 @@ def shard_module(
             else not built_on_meta
         ),
         cast_forward_inputs=options.cast_forward_inputs,
+        vocab_chunks=options.vocab_chunks,
         param_init_fn=options.param_init_fn or getattr(module, "init_submodule", None),
         model_init=hf_model_init,
     )

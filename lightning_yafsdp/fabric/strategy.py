@@ -94,7 +94,8 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
     Takes the arguments of :class:`lightning_yafsdp.strategy.YaFSDPStrategy` (units,
     norm_classes, zero_stage, reduce_dtype, activation_checkpointing, param_init_fn,
     sync_module_states, cast_forward_inputs, timeout, process_group_backend,
-    state_dict_type, verify_checksums, shard_size, device_mesh), documented there.
+    state_dict_type, verify_checksums, shard_size, device_mesh, vocab_chunks), documented
+    there.
     ``state_dict_type`` decides how ``fabric.save`` writes; ``fabric.load`` reads either
     kind, and checkpoints of the Trainer strategy, comparing checksums first unless
     ``verify_checksums=False``.
@@ -123,6 +124,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
         verify_checksums: bool = True,
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
+        vocab_chunks: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

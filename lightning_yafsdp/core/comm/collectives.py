@@ -92,14 +92,23 @@ class CommStats:
 
 
 class WorkList:
-    """Several async collectives waited as one (a unit's trainable and frozen gathers)."""
+    """Several async collectives waited as one (a unit's trainable and frozen gathers).
 
-    def __init__(self, works: list) -> None:
+    ``then``: run once, right after the last wait (a row chunk copies its reduced
+    pieces out of the grad buffer there: [Note: row chunks]).
+    """
+
+    def __init__(self, works: list, then=None) -> None:
         self.works = works
+        self._then = then
 
     def wait(self) -> None:
         for work in self.works:
-            work.wait()
+            if work is not None:
+                work.wait()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
 
 def all_gather_into(
@@ -178,6 +187,33 @@ def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype
             f"reduce_scatter/all_reduce ({type(error).__name__}: "
             f"{str(error).splitlines()[0]}); use reduce_dtype=torch.float32"
         ) from error
+
+
+def broadcast_into(
+    tensor: torch.Tensor, src_rank: int, group: ProcessGroup, *, async_op: bool, stats: CommStats
+) -> dist.Work | None:
+    """Group rank ``src_rank``'s ``tensor`` into every rank's ``tensor`` (in place).
+
+    Written through ``.data`` ([Note: version-preserving gather]): ``tensor`` is a
+    region of a weight buffer.
+    """
+    stats.add("all_gather", tensor.numel() * tensor.element_size())
+    src = dist.get_global_rank(group, src_rank)
+    return _issue(dist.broadcast, tensor, tensor.data, src=src, group=group, async_op=async_op)
+
+
+def reduce_into(
+    tensor: torch.Tensor, dst_rank: int, group: ProcessGroup, *, async_op: bool, stats: CommStats
+) -> dist.Work | None:
+    """The sum of every rank's ``tensor`` into group rank ``dst_rank``'s ``tensor`` (in place).
+
+    Other ranks' ``tensor`` may be overwritten (gloo uses it as scratch).
+    """
+    stats.add("reduce_scatter", tensor.numel() * tensor.element_size())
+    dst = dist.get_global_rank(group, dst_rank)
+    return _issue(
+        dist.reduce, tensor, tensor, dst=dst, op=ReduceOp.SUM, group=group, async_op=async_op
+    )
 
 
 def all_reduce_(

@@ -31,10 +31,13 @@ from lightning_yafsdp.core.plan.materialize import (
 )
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.plan.root_units import split_root
+from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes, scheduled_units
+from lightning_yafsdp.core.runtime.chunked_unit import ChunkedParams, RowChunkUnit, can_chunk
 from lightning_yafsdp.core.runtime.engine import EngineMasters, YaFSDPEngine
 from lightning_yafsdp.core.runtime.flat_group import ParamOwner
 from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.resident import ResidentGroup
+from lightning_yafsdp.core.runtime.row_chunks import RowChunk, split_rows
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 NORM_GROUP = "<norms>"
@@ -60,6 +63,7 @@ def shard_model(
     cast_forward_inputs: bool = True,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     model_init: ModelInitFactory | None = None,
+    vocab_chunks: bool = True,
 ) -> YaFSDPEngine:
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
@@ -114,6 +118,9 @@ def shard_model(
             (``core/plan/materialize.py``, ``ModelInitFactory``); for Hugging Face and
             peft models ``lightning_yafsdp.hf_init.hf_model_init``, which both
             strategies pass. None: torch's convention only.
+        vocab_chunks: run an embedding or head larger than a block in row chunks of
+            at most a block each, so no buffer slot is vocabulary-sized ([Note: row
+            chunks]). ZeRO-3 with flat sharding only (elsewhere it is ignored).
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -128,7 +135,8 @@ def shard_model(
     # 1. Plan: which parameter joins which group, and every layout. Layouts split each
     # group over the shard group: a shard group of K ranks is sharded exactly as a flat
     # world of K ranks ([Note: hybrid sharding]).
-    plan = _plan(module, find_units(module, units), norm_classes, mesh.shard_size)
+    chunked = vocab_chunks and zero_stage == 3 and mesh.replicate_group is None
+    plan = _plan(module, find_units(module, units), norm_classes, mesh.shard_size, chunked)
     unit_specs, norm_spec, root_spec, _ = plan.specs
     _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
 
@@ -146,7 +154,7 @@ def shard_model(
         device=device,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
-        buffer_sizes=_unit_buffer_sizes(plan, zero_stage),
+        buffer_sizes=buffer_sizes(plan.schedule(), zero_stage),
         cast_forward_inputs=cast_forward_inputs,
         masters=_fill_masters(plan, frozen_dtype=param_dtype, **fill),
     )
@@ -244,8 +252,14 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
     unit_specs, norm_spec, root_spec, _ = plan.specs
     units, residents = [], []
     offset = frozen_offset = 0
-    for index, (spec, layout, frozen_layout) in enumerate(_flat_groups(plan)[: len(unit_specs)]):
+    flat_units = _flat_groups(plan)[: len(unit_specs)]
+    for (spec, layout, frozen_layout), chunks in zip(flat_units, plan.chunks, strict=True):
         kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
+        offset += layout.shard_numel
+        if chunks is not None:  # [Note: row chunks]
+            parent = ChunkedParams(spec.modules[0], **kwargs)
+            units += _chunk_units(engine, len(units), parent, chunks)
+            continue
         if frozen_layout is not None:
             end = frozen_offset + frozen_layout.shard_numel
             kwargs.update(
@@ -254,8 +268,9 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
                 frozen_shard=engine.frozen_store[frozen_offset:end],
             )
             frozen_offset = end
-        units.append(ShardedUnit(engine, index, spec.modules, is_block=spec.is_block, **kwargs))
-        offset += layout.shard_numel
+        units.append(
+            ShardedUnit(engine, len(units), spec.modules, is_block=spec.is_block, **kwargs)
+        )
     if plan.root is not None:
         kwargs = _group_kwargs(root_spec, plan.root, engine, "flat", offset)
         residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
@@ -263,6 +278,15 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
         kwargs = _group_kwargs(norm_spec, plan.norms, engine, "norm", 0)
         residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
     engine.add_groups(units, residents)
+
+
+def _chunk_units(engine, first: int, parent: ChunkedParams, chunks) -> list[RowChunkUnit]:
+    """The units of the schedule of one chunked module, from index ``first`` on."""
+    parent.chunks = [
+        RowChunkUnit(engine, first + i, parent, chunk) for i, chunk in enumerate(chunks)
+    ]
+    parent.install_forward()
+    return parent.chunks
 
 
 @dataclass(frozen=True)
@@ -277,6 +301,8 @@ class ShardingPlan:
             does not re-gather for backward ([Note: weightless backward]).
         frozen: per unit, the layout of its frozen parameters, or None
             ([Note: frozen shards]).
+        chunks: per unit, its row chunks when it runs in chunks ([Note: row
+            chunks]), else None.
         root: layout of the resident root remainder (parameters outside units and
             norms that stay resident), or None.
         norms: layout of the norm group.
@@ -288,62 +314,43 @@ class ShardingPlan:
     frozen: list[FlatLayout | None]
     root: FlatLayout | None
     norms: FlatLayout | None
+    chunks: tuple[tuple[RowChunk, ...] | None, ...] = ()
     specs: tuple = field(default=(), repr=False, compare=False)
+
+    def schedule(self) -> list[ScheduledUnit]:
+        """The units of the schedule, in order: each unit, or each of its row chunks."""
+        chunks = self.chunks or (None,) * len(self.units)
+        return [
+            scheduled
+            for (_, layout), frozen, unit_chunks, reads, block in zip(
+                self.units, self.frozen, chunks, self.backward_reads_weights, self.blocks,
+                strict=True,
+            )
+            for scheduled in scheduled_units(
+                layout, frozen, unit_chunks, reads_weights=reads, is_block=block
+            )
+        ]
 
 
 def plan_layouts(
-    module: nn.Module, *, world_size: int, units: UnitsSpec = None, norm_classes: NormSpec = None
+    module: nn.Module,
+    *,
+    world_size: int,
+    units: UnitsSpec = None,
+    norm_classes: NormSpec = None,
+    vocab_chunks: bool = False,
 ) -> ShardingPlan:
     """The layouts ``shard_model`` would build for ``module`` at ``world_size``.
 
     Needs no process group and works on meta-device models: memory estimates
     (``yafsdp estimate``) use it so that they match the engine exactly.
+    ``vocab_chunks``: as ``shard_model`` decides it (its option, ZeRO-3, flat sharding).
     """
     unit_modules = find_units(module, units)
-    return _plan(module, unit_modules, norm_classes, world_size)
+    return _plan(module, unit_modules, norm_classes, world_size, vocab_chunks)
 
 
-@dataclass(frozen=True)
-class BufferSizes:
-    """Element counts of the engine's buffers, per slot.
-
-    Unit ``i`` uses weight slot ``i % len(weights)`` and grad slot ``i % 2``; each
-    slot is sized to the largest unit using it, not to the largest unit overall
-    (a large embedding on slot 0 does not grow slot 1; ZeRO-2's per-unit buffers
-    are each their own unit's size).
-    """
-
-    weights: list[int]
-    grads: list[int]
-    grad_shards: list[int]
-
-
-def buffer_sizes(
-    gathered: list[int], padded: list[int], shards: list[int], zero_stage: int
-) -> BufferSizes:
-    """Slot sizes from per-unit element counts, in unit order.
-
-    ``gathered``: what a unit's gather writes (trainable padded + frozen padded);
-    ``padded`` / ``shards``: its trainable padded and shard numel (the grads).
-    """
-
-    def per_slot(sizes: list[int], slots: int) -> list[int]:
-        return [max(sizes[k::slots], default=0) for k in range(slots)]
-
-    weight_slots = 2 if zero_stage == 3 else max(len(gathered), 1)
-    return BufferSizes(per_slot(gathered, weight_slots), per_slot(padded, 2), per_slot(shards, 2))
-
-
-def _unit_buffer_sizes(plan: ShardingPlan, zero_stage: int) -> BufferSizes:
-    padded = [layout.padded_numel for _, layout in plan.units]
-    frozen = [f.padded_numel if f is not None else 0 for f in plan.frozen]
-    gathered = [p + f for p, f in zip(padded, frozen, strict=True)]
-    return buffer_sizes(
-        gathered, padded, [layout.shard_numel for _, layout in plan.units], zero_stage
-    )
-
-
-def _plan(module, unit_modules, norm_classes, world_size) -> ShardingPlan:
+def _plan(module, unit_modules, norm_classes, world_size, vocab_chunks=False) -> ShardingPlan:
     block_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
     if not any(spec.params for spec in (*block_specs, norm_spec, root_spec)):
         raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
@@ -362,17 +369,42 @@ def _plan(module, unit_modules, norm_classes, world_size) -> ShardingPlan:
             return None
         return layout_of(spec.frozen_params, spec.frozen_owners)
 
+    # A unit with only frozen parameters has an empty trainable layout (padding only).
+    layouts = [layout_of(spec.params, spec.owners) for spec in unit_specs]
+    frozen_layouts = [frozen_layout_of(spec) for spec in unit_specs]
     return ShardingPlan(
-        # A unit with only frozen parameters has an empty trainable layout (padding only).
-        units=[(spec.name, layout_of(spec.params, spec.owners)) for spec in unit_specs],
+        units=[(spec.name, layout) for spec, layout in zip(unit_specs, layouts, strict=True)],
         blocks=tuple(spec.is_block for spec in unit_specs),
         backward_reads_weights=tuple(
             not all(type(m) is nn.Embedding for m in spec.modules) for spec in unit_specs
         ),
-        frozen=[frozen_layout_of(spec) for spec in unit_specs],
+        frozen=frozen_layouts,
+        chunks=_row_chunks(unit_specs, layouts, frozen_layouts, vocab_chunks),
         root=layout_of(root_spec.params, root_spec.owners) if root_spec.params else None,
         norms=layout_of(norm_spec.params, norm_spec.owners) if norm_spec.params else None,
         specs=(unit_specs, norm_spec, root_spec, frozen),
+    )
+
+
+def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, enabled: bool) -> tuple:
+    """Per unit, its row chunks if it is a root unit larger than the largest block."""
+    if not enabled:
+        return (None,) * len(specs)
+    largest = max(
+        (
+            layout.padded_numel + (frozen.padded_numel if frozen is not None else 0)
+            for spec, layout, frozen in zip(specs, layouts, frozen_layouts, strict=True)
+            if spec.is_block
+        ),
+        default=0,
+    )
+    chunkable = [
+        not spec.is_block and can_chunk(spec.modules, spec.params, spec.frozen_params)
+        for spec in specs
+    ]
+    return tuple(
+        split_rows(layout, largest) if chunkable[i] and largest else None
+        for i, layout in enumerate(layouts)
     )
 
 

@@ -153,7 +153,7 @@ class YaFSDPEngine:
         # group keeps a twin.
         mixed = self.flat_shard.dtype != self.param_dtype
         self.gather_staging: GatherStaging | None = (
-            GatherStaging(buffer_sizes.grad_shards, dtype=self.param_dtype, device=self.device)
+            GatherStaging(buffer_sizes.staging, dtype=self.param_dtype, device=self.device)
             if mixed
             else None
         )
@@ -164,7 +164,11 @@ class YaFSDPEngine:
         self.norm_grads = ShardGrads(self.norm_shard, []) if self.norm_shard is not None else None
 
     def add_groups(self, units: list[ShardedUnit], residents: list[ResidentGroup]) -> None:
-        """The units, in module order, and the resident groups, built over this engine."""
+        """The units of the schedule, in module order, and the resident groups.
+
+        A module run in row chunks is several units over one parameter group
+        ([Note: row chunks]): ``groups()`` lists that group once, where its chunks are.
+        """
         self.units.extend(units)
         self.residents.extend(residents)
 
@@ -406,7 +410,7 @@ class YaFSDPEngine:
         self.phase = EnginePhase.BACKWARD
         for grads in self._all_grads():
             grads.begin_backward()
-        for group in self.groups():
+        for group in self._grad_writers():
             group.used_in_backward = [False] * len(group.owners)
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -423,7 +427,8 @@ class YaFSDPEngine:
         used = self._used_anywhere()
         for grads, groups in self.grads_by_master():
             flags = [flag for g in groups for flag in used[id(g)]]
-            grads.end_backward([g.grad_range for g in groups], flags)
+            ranges = [r for g in groups for r in g.grad_ranges(self.shard_rank)]
+            grads.end_backward(ranges, flags)
         for unit in self.units:
             unit.end_iteration()
         self.phase = EnginePhase.OUTSIDE_BACKWARD
@@ -443,7 +448,7 @@ class YaFSDPEngine:
             if buffer.reduce is not None:
                 buffer.reduce.wait()
                 buffer.reduce, buffer.on_reduced = None, None
-        for group in self.groups():
+        for group in self._grad_writers():
             group.abandon_grad_writes()
         for unit in self.units:
             unit.abandon_iteration()
@@ -474,7 +479,7 @@ class YaFSDPEngine:
 
     def grads_by_master(self) -> list[tuple[ShardGrads, list[FlatParamGroup]]]:
         """Each master's gradient accumulator with the groups stored in that master."""
-        pairs = [(self.unit_grads, [*self.units, *self._residents_of(self.unit_grads)])]
+        pairs = [(self.unit_grads, [*self._unit_groups(), *self._residents_of(self.unit_grads)])]
         if self.norm_grads is not None:
             pairs.append((self.norm_grads, self._residents_of(self.norm_grads)))
         return pairs
@@ -516,8 +521,18 @@ class YaFSDPEngine:
         return [unit for unit in self.units if unit.is_block]
 
     def groups(self) -> list[FlatParamGroup]:
-        """Every flat group: units in module order, then resident groups."""
-        return [*self.units, *self.residents]
+        """Every parameter group: units in module order, then resident groups.
+
+        A module run in row chunks appears once, as the group holding its parameters.
+        """
+        return [*self._unit_groups(), *self.residents]
+
+    def _unit_groups(self) -> list[FlatParamGroup]:
+        return list(dict.fromkeys(unit.param_group for unit in self.units))
+
+    def _grad_writers(self) -> list[FlatParamGroup]:
+        """Every group that writes grads or tracks their use: the groups and the row chunks."""
+        return list(dict.fromkeys([*self.units, *self.groups()]))
 
     def named_parameter_shards(self) -> Iterator[ParamShard]:
         """This rank's part of every original parameter, by original name (first tied alias)."""
@@ -659,8 +674,8 @@ class YaFSDPEngine:
         self.optimizer_swap.close()
         for handle in self._hooks:
             handle.remove()
-        for unit in self.units:
-            unit.remove_hooks()
+        for group in self._grad_writers():
+            group.remove_hooks()
 
 
 _FORWARD_STATES = (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD)

@@ -98,6 +98,18 @@ class FlatParamGroup:
         self.sharded_params: list[nn.Parameter] = []
         self.master_ranges: list[tuple[int, int]] = []
 
+    @property
+    def param_group(self) -> FlatParamGroup:
+        """The group holding this group's parameters: itself (a row chunk: its parent)."""
+        return self
+
+    def grad_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """``grad_range`` as the pieces its grads are added in (one, but for row chunks)."""
+        return [self.grad_range]
+
+    def remove_hooks(self) -> None:
+        """Remove what this group installed on its modules (units: hooks)."""
+
     def __deepcopy__(self, memo: dict) -> FlatParamGroup:
         # A deep copy of a sharded model (an EMA's AveragedModel) copies the modules'
         # hooks, which are bound to their groups: the copy's hooks must stay bound to

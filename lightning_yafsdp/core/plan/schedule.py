@@ -1,0 +1,109 @@
+"""The units of the schedule and the buffer slots they need, from a plan's layouts.
+
+A unit of the plan is one unit of the schedule, except a vocabulary-sized
+embedding or head, which is one per row chunk ([Note: row chunks]). Both the
+engine (what it allocates) and ``yafsdp estimate`` (what it predicts) size the
+buffers from this list, so the two agree to the byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_yafsdp.core.runtime.layout import FlatLayout
+from lightning_yafsdp.core.runtime.row_chunks import RowChunk
+
+
+@dataclass(frozen=True)
+class ScheduledUnit:
+    """What one unit of the schedule gathers, reduces and moves (elements).
+
+    Attributes:
+        gathered: what its gather writes into its weight slot (trainable + frozen).
+        grads: its full-size grads in its grad slot.
+        reduced: its reduced shard (a row chunk: the largest part any rank owns).
+        staged: its shard cast before the gather under mixed precision (row chunks
+            cast as they copy: 0).
+        gather_comm / reduce_comm: elements its gather / reduce count in ``CommStats``.
+        reads_weights: whether its backward reads its weights (re-gathered, ZeRO-3).
+        is_block: a block of the policy (False: a root unit or a chunk of one).
+    """
+
+    gathered: int
+    grads: int
+    reduced: int
+    staged: int
+    gather_comm: int
+    reduce_comm: int
+    reads_weights: bool
+    is_block: bool
+
+
+def scheduled_units(
+    layout: FlatLayout,
+    frozen: FlatLayout | None,
+    chunks: tuple[RowChunk, ...] | None,
+    *,
+    reads_weights: bool,
+    is_block: bool,
+) -> list[ScheduledUnit]:
+    """The schedule's units for one unit of the plan (several when it is chunked)."""
+    if chunks is None:
+        frozen_numel = frozen.padded_numel if frozen is not None else 0
+        gathered = layout.padded_numel + frozen_numel
+        return [
+            ScheduledUnit(
+                gathered,
+                layout.padded_numel,
+                layout.shard_numel,
+                layout.shard_numel,
+                gathered,
+                layout.padded_numel,
+                reads_weights,
+                is_block,
+            )
+        ]
+    ranks = range(layout.world_size)
+    return [
+        ScheduledUnit(
+            chunk.layout.padded_numel,
+            chunk.layout.padded_numel,
+            max(chunk.owned_numel(rank) for rank in ranks),
+            0,
+            chunk.comm_numel,
+            chunk.comm_numel,
+            reads_weights,
+            is_block,
+        )
+        for chunk in chunks
+    ]
+
+
+@dataclass(frozen=True)
+class BufferSizes:
+    """Element counts of the engine's buffers, per slot.
+
+    Unit ``i`` of the schedule uses weight slot ``i % len(weights)`` and grad slot
+    ``i % 2``; each slot is sized to the largest unit using it, not to the largest
+    unit overall (ZeRO-2's per-unit buffers are each their own unit's size).
+    """
+
+    weights: list[int]
+    grads: list[int]
+    grad_shards: list[int]
+    staging: list[int]
+
+
+def buffer_sizes(schedule: list[ScheduledUnit], zero_stage: int) -> BufferSizes:
+    """Slot sizes of the units of the schedule, in schedule order."""
+
+    def per_slot(sizes: list[int], slots: int) -> list[int]:
+        return [max(sizes[k::slots], default=0) for k in range(slots)]
+
+    weight_slots = 2 if zero_stage == 3 else max(len(schedule), 1)
+    return BufferSizes(
+        per_slot([u.gathered for u in schedule], weight_slots),
+        per_slot([u.grads for u in schedule], 2),
+        per_slot([u.reduced for u in schedule], 2),
+        per_slot([u.staged for u in schedule], 2),
+    )

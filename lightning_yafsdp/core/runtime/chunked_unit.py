@@ -1,0 +1,307 @@
+"""A vocabulary-sized embedding or head run chunk by chunk ([Note: row chunks]).
+
+``ChunkedParams`` holds the module's parameters (its flat layout, shards and
+sharded parameters, exactly as a unit would) and replaces the module's forward
+by one over its chunks; each ``RowChunkUnit`` is a unit of the schedule that
+gathers, computes and reduces one chunk's rows, with a unit's state machine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_yafsdp.core.comm.collectives import WorkList, broadcast_into, reduce_into
+from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner
+from lightning_yafsdp.core.runtime.placeholder import UngatheredWeight
+from lightning_yafsdp.core.runtime.row_chunks import RowChunk
+from lightning_yafsdp.core.runtime.unit import ShardedUnit
+
+if TYPE_CHECKING:
+    from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
+
+
+def can_chunk(modules: list[nn.Module], params: list[nn.Parameter], frozen: list) -> bool:
+    """Whether a root unit may run in row chunks: one plain embedding or linear, all trainable.
+
+    Subclasses (a scaled embedding, a quantized linear) may compute anything in their
+    forward, and ``max_norm`` / ``sparse`` embeddings write or need the whole table.
+    """
+    if len(modules) != 1 or frozen:
+        return False
+    module = modules[0]
+    own = [p for p in module.parameters(recurse=False)]
+    if [id(p) for p in params] != [id(p) for p in own]:
+        return False
+    if type(module) is nn.Linear:
+        return True
+    return (
+        type(module) is nn.Embedding
+        and module.max_norm is None
+        and not module.sparse
+        and not module.scale_grad_by_freq
+    )
+
+
+class _LinearRows(nn.Module):
+    """Output features ``[start, end)`` of a head: its weight (and bias) are chunk views."""
+
+    def __init__(self, has_bias: bool) -> None:
+        super().__init__()
+        self.has_bias = has_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.has_bias else None)
+
+
+class _EmbeddingRows(nn.Module):
+    """Rows ``[start, end)`` of an embedding table: tokens outside them keep ``previous``."""
+
+    def __init__(self, source: nn.Embedding, start: int, end: int) -> None:
+        super().__init__()
+        self.start, self.rows = start, end - start
+        pad = source.padding_idx
+        self.padding_idx = pad - start if pad is not None and start <= pad < end else None
+
+    def forward(self, ids: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
+        local = ids - self.start
+        inside = ((local >= 0) & (local < self.rows)).unsqueeze(-1)
+        rows = F.embedding(local.clamp(0, self.rows - 1), self.weight, self.padding_idx)
+        if previous is None:
+            previous = rows.new_zeros(())
+        return torch.where(inside, rows, previous)
+
+
+class ChunkedParams(FlatParamGroup):
+    """The parameters of a module run in row chunks, and its chunked forward.
+
+    A flat group like a unit's (same layout, shards and sharded parameters), but
+    never gathered whole: its ``chunks`` are the units that run.
+    """
+
+    def __init__(self, module: nn.Module, **group_kwargs: Any) -> None:
+        super().__init__(**group_kwargs)
+        self.module = module
+        self.chunks: list[RowChunkUnit] = []
+        self._hook = None
+        self._placeholders: list | None = None
+
+    def install_forward(self) -> None:
+        """Replace the module's forward by the loop over its chunks."""
+        chunk_modules = [unit.module for unit in self.chunks]
+        if isinstance(self.module, nn.Embedding):
+
+            def forward(ids: torch.Tensor) -> torch.Tensor:
+                out = None
+                for chunk in chunk_modules:
+                    out = chunk(ids, out)
+                return out
+        else:
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                return torch.cat([chunk(x) for chunk in chunk_modules], dim=-1)
+
+        self.module.forward = forward
+        self._hook = self.module.register_forward_pre_hook(self._refuse_copies)
+
+    def _refuse_copies(self, module: nn.Module, args: tuple) -> None:
+        if module is not self.module:
+            raise RuntimeError(
+                f"the forward of a deep copy of the sharded module '{self.name}' was called: "
+                "a copy of a sharded model (copy.deepcopy, an EMA's AveragedModel) holds this "
+                "rank's shards only and cannot compute. Average, save or load it, or run the "
+                "original model (swap weights into it, as WeightAveraging does)."
+            )
+
+    def expose_placeholders(self, buffer: torch.Tensor) -> None:
+        """While a forward is under way the module's weights read as ungathered weights.
+
+        As a root unit's ([Note: ungathered weights]): shape, compute dtype and device
+        for a parent's ``h.to(self.head.weight.dtype)``; values refuse, by name.
+        """
+        if self._placeholders is None:
+            self._placeholders = [
+                (
+                    owner,
+                    UngatheredWeight(span.name, self.name, span.shape, buffer.dtype, buffer.device),
+                )
+                for span, owners in zip(self.layout.spans, self.owners, strict=True)
+                for owner in owners
+            ]
+        for owner, placeholder in self._placeholders:
+            owner.module.__dict__.setdefault(owner.attr, placeholder)
+
+    def grad_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """This rank's grad range, split at every chunk part it owns (the rest: gaps)."""
+        base, end = self.grad_range
+        parts = sorted(
+            (base + t.shard_offset, base + t.shard_offset + t.numel)
+            for unit in self.chunks
+            for t in unit.chunk.owned_by(rank)
+        )
+        ranges, cursor = [], base
+        for start, stop in parts:
+            if start > cursor:
+                ranges.append((cursor, start))
+            ranges.append((start, stop))
+            cursor = stop
+        if end > cursor:
+            ranges.append((cursor, end))
+        return ranges
+
+    def remove_hooks(self) -> None:
+        self.module.__dict__.pop("forward", None)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+
+class RowChunkUnit(ShardedUnit):
+    """One row chunk of a ``ChunkedParams``: a unit of the schedule over borrowed storage.
+
+    Its buffer layout is the chunk's rows; its parameters' views go on a private
+    chunk module. The gather broadcasts each owner's part; the reduce sums each
+    part into its owner, who adds it into the parent's grad shard.
+    """
+
+    def __init__(
+        self, engine: YaFSDPEngine, index: int, parent: ChunkedParams, chunk: RowChunk
+    ) -> None:
+        source = parent.module
+        if isinstance(source, nn.Embedding):
+            module: nn.Module = _EmbeddingRows(source, chunk.start, chunk.end)
+        else:
+            module = _LinearRows(source.bias is not None)
+        attrs = [owners[0].attr for owners in parent.owners]
+        owners = [
+            [ParamOwner(module, attr, span.name)]
+            for attr, span in zip(attrs, parent.layout.spans, strict=True)
+        ]
+        super().__init__(
+            engine,
+            index,
+            [module],
+            is_block=False,
+            name=f"{parent.name}[{chunk.start}:{chunk.end}]",
+            layout=chunk.layout,
+            owners=owners,
+            master_shard=parent.master_shard,
+            compute_shard=parent.compute_shard,
+            grad_range=parent.grad_range,
+        )
+        self.parent, self.chunk = parent, chunk
+        self.sharded_params = parent.sharded_params  # one list: filled when params are made
+        # [Note: weightless backward] an embedding's rows are not read by its backward.
+        self.backward_reads_weights = not isinstance(source, nn.Embedding)
+        self._owned = chunk.owned_by(engine.shard_rank)
+
+    @property
+    def param_group(self) -> FlatParamGroup:
+        return self.parent
+
+    def expose_placeholders(self) -> None:
+        """The chunk module is private: the parent's module shows the placeholders."""
+        self.parent.expose_placeholders(self.weight_buffer.tensor)
+
+    def end_iteration(self) -> None:
+        super().end_iteration()
+        self.parent.uninstall_views()  # its placeholders
+
+    def abandon_iteration(self) -> None:
+        super().abandon_iteration()
+        self.parent.uninstall_views()
+
+    def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
+        super().accumulate_param_grad(index, grad)
+        self.parent.used_in_backward[index] = True
+
+    def _issue_gather(self) -> None:
+        buffer = self.weight_buffer
+        if buffer.gather is not None:
+            buffer.gather.wait()  # a prefetch for another unit: let it land before overwriting
+        engine = self.engine
+        buffer.holder, buffer.version = self, engine.compute_version
+        # Mixed precision: the owner's part is cast as it is copied in ([Note: cast on gather]).
+        source = self.compute_shard if self.compute_shard is not None else self.master_shard
+        out, me = buffer.tensor.data, engine.shard_rank
+
+        def launch(async_op: bool):
+            works = []
+            for part in self.chunk.transfers:
+                region = out[part.chunk_offset : part.chunk_offset + part.numel]
+                if part.rank == me:
+                    region.copy_(source[part.shard_offset : part.shard_offset + part.numel])
+                works.append(
+                    broadcast_into(
+                        region,
+                        part.rank,
+                        engine.shard_group,
+                        async_op=async_op,
+                        stats=engine.comm_stats,
+                    )
+                )
+            return WorkList(works) if async_op else None
+
+        buffer.gather = engine.scheduler.issue(
+            "gather",
+            unit=self.name,
+            slot=buffer.index,
+            tag=(self.index, self.layout.padded_numel),
+            launch=launch,
+            after=buffer.release_event,
+        )
+        buffer.release_event = None
+
+    def _reduce(self) -> None:
+        engine = self.engine
+        self.finish_grad_writes()
+        engine.advance_reductions()
+        grad_buffer = self.grad_buffer
+        grad_buffer.complete_reduce()  # the previous user's reduced shard is read first
+        full, reduced = grad_buffer.tensor, grad_buffer.reduced
+
+        def copy_out() -> None:  # the grad buffer is free once the owned parts are copied
+            cursor = 0
+            for part in self._owned:
+                end = part.chunk_offset + part.numel
+                reduced[cursor : cursor + part.numel].copy_(full[part.chunk_offset : end])
+                cursor += part.numel
+
+        def launch(async_op: bool):
+            works = [
+                reduce_into(
+                    full[part.chunk_offset : part.chunk_offset + part.numel],
+                    part.rank,
+                    engine.shard_group,
+                    async_op=async_op,
+                    stats=engine.comm_stats,
+                )
+                for part in self.chunk.transfers
+            ]
+            if async_op:
+                return WorkList(works, then=copy_out)
+            copy_out()
+            return None
+
+        grad_buffer.on_reduced = self._add_owned_parts
+        self.life.fire("reduce")
+        grad_buffer.reduce = engine.scheduler.issue_reduce(
+            unit=self.name,
+            slot=grad_buffer.index,
+            tag=(self.index, self.layout.padded_numel),
+            scatter=launch,
+            replicate=None,
+            after=engine.scheduler.compute_marker(),
+        )
+
+    def _add_owned_parts(self) -> None:
+        engine, base = self.engine, self.grad_range[0]
+        reduced, cursor = self.grad_buffer.reduced, 0
+        for part in self._owned:
+            start = base + part.shard_offset
+            piece = reduced[cursor : cursor + part.numel]
+            engine.unit_grads.add(start, start + part.numel, piece, engine.divide_factor)
+            cursor += part.numel

@@ -1,0 +1,187 @@
+"""Row chunks through the Trainer: a Hugging Face Llama whose vocabulary is 7 blocks.
+
+``Trainer(strategy="yafsdp")`` against ``strategy="ddp"`` with the same seed, in
+``32-true``, the model built eagerly and in ``configure_model`` (meta device), at world
+sizes 1, 2 and 3: per-step losses and final weights to round-off; a run resumed from a
+sharded checkpoint matches DDP resumed from its own ([Note: row chunks]).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
+
+from lightning_yafsdp import YaFSDPStrategy
+from tests.distributed import dist_run
+from tests.zoo_models import full_weights
+
+VOCAB = 1531  # prime: chunk rows and shard boundaries never line up
+STEPS, SEQ = 4, 12
+# Measured (eager, 2 and 3 ranks): losses <= 1.4e-7 relative, weights <= 2.3e-5 of their
+# update (tests/test_strategy.py's _update_error); with a chunk's reduce not divided by
+# the world size: losses 5e-4, weights 0.03-0.07.
+_LOSS_RTOL = 1e-5
+_UPDATE_RTOL = 1e-4
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
+
+
+class ChunkedLM(pl.LightningModule):
+    """``build="eager"``: built in ``__init__``; else the path of saved weights, loaded by
+    ``from_pretrained`` in ``configure_model`` (the meta-device path under yafsdp; DDP
+    loads the same weights)."""
+
+    def __init__(self, build: str) -> None:
+        super().__init__()
+        self.model = None
+        self.build = build
+        self.losses: list[float] = []
+        if build == "eager":
+            torch.manual_seed(0)
+            self.model = _hf_llama()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import LlamaForCausalLM
+
+            self.model = LlamaForCausalLM.from_pretrained(self.build)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _loader(world_size: int) -> DataLoader:
+    """Two steps per epoch: the resumed run restarts at an epoch boundary (Lightning does
+    not fast-forward a plain DataLoader mid-epoch)."""
+    tokens = torch.randint(
+        0, VOCAB, (2 * 2 * world_size, SEQ), generator=torch.Generator().manual_seed(3)
+    )
+    return DataLoader(tokens, batch_size=2, shuffle=False)
+
+
+def _trainer(strategy, world_size: int, root, **options) -> pl.Trainer:
+    defaults = dict(
+        accelerator="cpu", devices=world_size, max_steps=STEPS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=str(root),
+        gradient_clip_val=1.0,
+    )  # fmt: skip
+    defaults.update(options)
+    return pl.Trainer(strategy=strategy, **defaults)
+
+
+def _fit(strategy, build: str, world_size: int, root) -> dict:
+    module = ChunkedLM(build)
+    trainer = _trainer(strategy, world_size, root)
+    trainer.fit(module, _loader(world_size))
+    facts = {"losses": module.losses, "weights": full_weights(trainer, module)}
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:
+        facts["units"] = [unit.name for unit in engine.units]
+        facts["slots"] = [buffer.tensor.numel() for buffer in engine.weight_buffers]
+    return facts
+
+
+def _parity_runs(build: str, world_size: int, root: str) -> dict:
+    torch.manual_seed(0)
+    initial = {f"model.{k}": v.clone() for k, v in _hf_llama().state_dict().items()}
+    return {
+        "ddp": _fit("ddp", build, world_size, root),
+        "yafsdp": _fit("yafsdp", build, world_size, root),
+        "initial": initial,
+    }
+
+
+def _update_error(ours: dict, reference: dict, initial: dict) -> tuple[float, str]:
+    worst = (0.0, "")
+    for name, weight in reference.items():
+        update = (weight - initial[name]).norm().item()
+        if update:
+            worst = max(worst, ((ours[name] - weight).norm().item() / update, name))
+    return worst
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("chunked-llama")
+    torch.manual_seed(0)
+    _hf_llama().save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("build", "world_size"),
+    [("eager", 1), ("configure_model", 2), ("eager", 2), ("configure_model", 3)],
+)
+def test_chunked_hf_llama_matches_ddp(build, world_size, tmp_path, saved_llama):
+    build = saved_llama if build == "configure_model" else build
+    runs = dist_run(world_size, _parity_runs, build, world_size, str(tmp_path), timeout_s=300)
+    for rank, run in enumerate(runs):
+        ours, ddp = run["yafsdp"], run["ddp"]
+        assert any(name.startswith("model.model.embed_tokens[") for name in ours["units"])
+        assert sum(name.startswith("model.lm_head[") for name in ours["units"]) >= 5
+        assert max(ours["slots"]) < VOCAB * 32 / 4  # block-sized, not vocabulary-sized
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]), torch.tensor(ddp["losses"]), rtol=_LOSS_RTOL, atol=0
+        )
+        error, where = _update_error(ours["weights"], ddp["weights"], run["initial"])
+        assert error < _UPDATE_RTOL, f"rank {rank}: {where} off by {error:.3g} of its update"
+
+
+def _resumed(strategy, root: str, saved: str) -> dict:
+    """Two steps, a sharded checkpoint, then two more steps resumed from it."""
+    first = ChunkedLM(saved)
+    saver = ModelCheckpoint(dirpath=f"{root}/ckpt", save_last=True)
+    trainer = _trainer(
+        strategy(), 2, root, max_steps=2, enable_checkpointing=True, callbacks=[saver]
+    )
+    trainer.fit(first, _loader(2))
+    second = ChunkedLM(saved)
+    trainer = _trainer(strategy(), 2, root)
+    trainer.fit(second, _loader(2), ckpt_path=f"{root}/ckpt/last.ckpt")
+    return {"losses": first.losses + second.losses, "weights": full_weights(trainer, second)}
+
+
+def _resume_runs(root: str, saved: str) -> dict:
+    return {
+        "ddp": _resumed(lambda: "ddp", f"{root}/ddp", saved),
+        "yafsdp": _resumed(YaFSDPStrategy, f"{root}/yafsdp", saved),
+        "initial": _saved_state(saved),
+    }
+
+
+def _saved_state(saved: str) -> dict:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(saved)
+    return {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_chunked_run_resumed_from_a_sharded_checkpoint_matches_ddp_resumed(tmp_path, saved_llama):
+    for run in dist_run(2, _resume_runs, str(tmp_path), saved_llama, timeout_s=300):
+        ours, ddp = run["yafsdp"], run["ddp"]
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]), torch.tensor(ddp["losses"]), rtol=_LOSS_RTOL, atol=0
+        )
+        error, where = _update_error(ours["weights"], ddp["weights"], run["initial"])
+        assert error < _UPDATE_RTOL, f"{where} off by {error:.3g} of its update"
