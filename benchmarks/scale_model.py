@@ -617,7 +617,7 @@ def hsdp_traffic(
     return traffic
 
 
-def hsdp_memory(shapes: Shapes, k: int, work: Workload) -> dict[str, float]:
+def hsdp_memory(shapes: Shapes, k: int, work: Workload, *, flat: bool = False) -> dict[str, float]:
     """Bytes per GPU of sharded state and buffers (not activations), shard group of ``k``.
 
     As ``yafsdp estimate`` counts them ([Note: estimate formulas], padding ignored):
@@ -625,11 +625,13 @@ def hsdp_memory(shapes: Shapes, k: int, work: Workload) -> dict[str, float]:
     two gathered-unit weight buffers (param dtype) and two grad buffers (reduce dtype,
     unit + its shard) of the largest unit (a block, or the embedding/head unit); two
     staging shards (param dtype) for the cast before each gather; the norm group kept
-    gathered with its grad buffer.
+    gathered with its grad buffer. With ``flat`` sharding (``k`` is every GPU) an
+    embedding or head larger than a block runs in row chunks of at most a block ([Note:
+    row chunks]): the largest unit is a block.
     """
     block, root_rest, norm_group = _groups(shapes)
     params = shapes.n_layers * block + root_rest + norm_group
-    largest = max(block, *(n for _, n in shapes.root_tensors))
+    largest = block if flat else max(block, *(n for _, n in shapes.root_tensors))
     shard = math.ceil(largest / k)
     pb, gb = work.param_bytes, work.grad_bytes
     mem = {
@@ -664,7 +666,7 @@ def predict_hsdp(
     shapes = model_shapes(name, tuple(sorted(set(SEQ_LENS) | {work.seq_len})))
     pred, kinds = _predict(shapes, p, work, cluster, "yafsdp", k)
     traffic = hsdp_traffic(shapes, p, k, work, cluster.gpus_per_node)
-    mem = hsdp_memory(shapes, k, work)
+    mem = hsdp_memory(shapes, k, work, flat=k == p)
     return {
         "model": name,
         "gpu": cluster.name,

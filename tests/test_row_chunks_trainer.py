@@ -185,3 +185,53 @@ def test_a_chunked_run_resumed_from_a_sharded_checkpoint_matches_ddp_resumed(tmp
         )
         error, where = _update_error(ours["weights"], ddp["weights"], run["initial"])
         assert error < _UPDATE_RTOL, f"{where} off by {error:.3g} of its update"
+
+
+class CompiledChunkedLM(ChunkedLM):
+    """Compiled in ``configure_model``, per block or as a whole (``aot_eager``: eager
+    kernels, so compiled yafsdp and compiled DDP agree to round-off)."""
+
+    def __init__(self, build: str, compile_mode: str) -> None:
+        super().__init__(build)
+        self.compile_mode, self.compiled = compile_mode, False
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self.compiled:
+            return
+        self.compiled = True
+        if self.compile_mode == "block":
+            for layer in self.model.model.layers:
+                layer.compile(backend="aot_eager")
+        else:
+            self.model = torch.compile(self.model, backend="aot_eager")
+
+
+def _compiled_runs(compile_mode: str, root: str) -> dict:
+    runs = {}
+    for name in ("ddp", "yafsdp"):
+        torch._dynamo.reset()
+        module = CompiledChunkedLM("eager", compile_mode)
+        trainer = _trainer(name, 2, f"{root}/{name}")
+        trainer.fit(module, _loader(2))
+        runs[name] = {"losses": module.losses, "weights": full_weights(trainer, module)}
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            runs[name]["units"] = [unit.name for unit in engine.units]
+    torch.manual_seed(0)
+    runs["initial"] = {f"model.{k}": v for k, v in _hf_llama().state_dict().items()}
+    return runs
+
+
+@pytest.mark.parametrize("compile_mode", ["block", "whole"])
+def test_compiled_chunked_hf_llama_matches_compiled_ddp(compile_mode, tmp_path):
+    for run in dist_run(2, _compiled_runs, compile_mode, str(tmp_path), timeout_s=400):
+        ours, ddp = run["yafsdp"], run["ddp"]
+        assert sum("lm_head[" in name for name in ours["units"]) >= 5
+        torch.testing.assert_close(
+            torch.tensor(ours["losses"]), torch.tensor(ddp["losses"]), rtol=_LOSS_RTOL, atol=0
+        )
+        weights = {k.replace("_orig_mod.", ""): v for k, v in ours["weights"].items()}
+        expected = {k.replace("_orig_mod.", ""): v for k, v in ddp["weights"].items()}
+        error, where = _update_error(weights, expected, run["initial"])
+        assert error < _UPDATE_RTOL, f"{where} off by {error:.3g} of its update"

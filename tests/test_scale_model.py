@@ -337,3 +337,15 @@ def test_replicate_all_reduce_follows_its_reduce_scatter():
     for on_comm in (False, True):
         step, _ = _simulate(**base, ar=5.0, ar_on_comm=on_comm, end_ar=0.5)
         assert step == 11.5
+
+
+def test_flat_sharding_sizes_buffers_to_a_block_with_row_chunks():
+    # Llama 3 8B: the 128k-vocabulary embedding and head are 2.4 blocks each; flat
+    # sharding runs them in row chunks ([Note: row chunks]), hybrid keeps them whole.
+    work = Workload(seq_len=2048, grad_bytes=4)
+    shapes = model_shapes("llama3-8b")
+    flat = hsdp_memory(shapes, 64, work, flat=True)
+    hybrid = hsdp_memory(shapes, 64, work)
+    block = sum(n for _, n in shapes.layer_matrices)  # the norms are a group of their own
+    assert flat["weight_buffers"] == 2 * block * work.param_bytes
+    assert hybrid["weight_buffers"] > 2 * flat["weight_buffers"]
