@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_yafsdp.core import shard_model
+from lightning_yafsdp.core import get_engine, shard_model
 from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import split_rows
 from tests.distributed import dist_run
@@ -177,3 +177,30 @@ def test_split_rows_bounds_every_chunk_and_covers_every_element_once():
     assert covered == VOCAB * DIM + VOCAB
     assert all(a + n <= b for (a, n), (b, _) in zip(owned, owned[1:], strict=False))
     assert split_rows(layout, layout.padded_numel) is None
+
+
+def _misuse(chunks: bool) -> dict:
+    model = _model(dict(head_bias=True, padding_idx=None))
+    shard_model(model, vocab_chunks=chunks)
+    ids = torch.randint(0, VOCAB, (2, 5))
+    facts = {
+        # nn.Embedding / nn.Linear name their argument ``input``; callers may pass it so.
+        "by_keyword": model.head(input=model.embed(input=ids)).shape,
+        "chunked": any("[" in u.name for u in get_engine(model).units),
+    }
+    for bad in (-1, VOCAB, VOCAB + 3):
+        try:
+            model.embed(torch.tensor([[1, bad]]))
+            facts[bad] = "no error"
+        except IndexError as error:
+            facts[bad] = str(error)
+    return facts
+
+
+@pytest.mark.parametrize("chunks", [True, False])
+def test_keyword_input_and_out_of_range_ids_behave_as_the_whole_table(chunks):
+    facts = dist_run(2, _misuse, chunks)[0]
+    assert facts["chunked"] is chunks
+    assert facts["by_keyword"] == torch.Size([2, 5, VOCAB])
+    for bad in (-1, VOCAB, VOCAB + 3):
+        assert "index out of range" in facts[bad], (bad, facts[bad])

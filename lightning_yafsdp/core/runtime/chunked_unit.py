@@ -62,14 +62,19 @@ class _EmbeddingRows(nn.Module):
 
     def __init__(self, source: nn.Embedding, start: int, end: int) -> None:
         super().__init__()
-        self.start, self.rows = start, end - start
+        self.start, self.rows, self.vocab = start, end - start, source.num_embeddings
         pad = source.padding_idx
         self.padding_idx = pad - start if pad is not None and start <= pad < end else None
 
     def forward(self, ids: torch.Tensor, previous: torch.Tensor | None) -> torch.Tensor:
         local = ids - self.start
         inside = ((local >= 0) & (local < self.rows)).unsqueeze(-1)
-        rows = F.embedding(local.clamp(0, self.rows - 1), self.weight, self.padding_idx)
+        # Another chunk's token reads row 0 or the last row (masked out below); an id no
+        # chunk holds keeps its out-of-range index, so F.embedding raises as the whole
+        # table would ("index out of range"), without a host sync.
+        invalid = (ids < 0) | (ids >= self.vocab)
+        index = torch.where(invalid, local, local.clamp(0, self.rows - 1))
+        rows = F.embedding(index, self.weight, self.padding_idx)
         if previous is None:
             previous = rows.new_zeros(())
         return torch.where(inside, rows, previous)
@@ -94,15 +99,27 @@ class ChunkedParams(FlatParamGroup):
         chunk_modules = [unit.module for unit in self.chunks]
         if isinstance(self.module, nn.Embedding):
 
-            def forward(ids: torch.Tensor) -> torch.Tensor:
+            # ``input``: the name nn.Embedding / nn.Linear give it (callers may pass it so).
+            def forward(input: torch.Tensor) -> torch.Tensor:
                 out = None
                 for chunk in chunk_modules:
-                    out = chunk(ids, out)
+                    out = chunk(input, out)
                 return out
         else:
 
-            def forward(x: torch.Tensor) -> torch.Tensor:
-                return torch.cat([chunk(x) for chunk in chunk_modules], dim=-1)
+            def forward(input: torch.Tensor) -> torch.Tensor:
+                # Written into one logits tensor chunk by chunk, so at most one chunk's
+                # logits exist beside it (torch.cat would hold every chunk's as well).
+                first = chunk_modules[0](input)
+                out = first.new_empty(*first.shape[:-1], self.module.out_features)
+                out[..., : first.shape[-1]] = first
+                start = first.shape[-1]
+                del first
+                for chunk in chunk_modules[1:]:
+                    part = chunk(input)
+                    out[..., start : start + part.shape[-1]] = part
+                    start += part.shape[-1]
+                return out
 
         self.module.forward = forward
         self._hook = self.module.register_forward_pre_hook(self._refuse_copies)
