@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_yafsdp.core import get_engine, shard_model
 from lightning_yafsdp.core.runtime.layout import FlatLayout
-from lightning_yafsdp.core.runtime.row_chunks import split_rows
+from lightning_yafsdp.core.runtime.row_chunks import MAX_ROW_CHUNKS, split_rows
 from tests.distributed import dist_run
 
 VOCAB, DIM = 997, 24  # a prime vocabulary: chunks and shards never line up
@@ -204,3 +204,10 @@ def test_keyword_input_and_out_of_range_ids_behave_as_the_whole_table(chunks):
     assert facts["by_keyword"] == torch.Size([2, 5, VOCAB])
     for bad in (-1, VOCAB, VOCAB + 3):
         assert "index out of range" in facts[bad], (bad, facts[bad])
+
+
+def test_a_tiny_block_beside_a_huge_table_gets_at_most_max_row_chunks():
+    layout = FlatLayout(["w"], [torch.Size([50257, 16])], world_size=2)
+    chunks = split_rows(layout, 3000)  # 268 chunks of one block each would be needed
+    assert len(chunks) <= MAX_ROW_CHUNKS
+    assert sum(c.end - c.start for c in chunks) == 50257

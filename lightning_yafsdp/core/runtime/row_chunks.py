@@ -30,6 +30,12 @@ from dataclasses import dataclass
 
 from lightning_yafsdp.core.runtime.layout import FlatLayout
 
+# At most this many chunks per module: each costs a unit's hooks and a few collectives
+# per pass, so a tiny model with a huge vocabulary (blocks of a few thousand elements,
+# a 50k x 16 table) gets chunks of 1/16 of the table instead of hundreds of them. Real
+# models need 2-8 (Llama 3 8B: 3; Gemma 2: 5).
+MAX_ROW_CHUNKS = 16
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -80,11 +86,14 @@ def split_rows(parent: FlatLayout, max_numel: int) -> list[RowChunk] | None:
     """Chunks of at most ``max_numel`` buffer elements each, or None if one would do.
 
     Every parameter of ``parent`` must share its first dimension (a weight and its
-    bias). Chunks are as equal as rows allow.
+    bias). Chunks are as equal as rows allow; there are at most ``MAX_ROW_CHUNKS`` (then
+    each is a ``1 / MAX_ROW_CHUNKS`` of the module, larger than ``max_numel``).
     """
     rows = parent.spans[0].shape[0]
     if parent.padded_numel <= max_numel or rows < 2:
         return None
+    widest = -(-rows // MAX_ROW_CHUNKS)  # the rows of a chunk when there are MAX_ROW_CHUNKS
+    max_numel = max(max_numel, _chunk(parent, 0, widest).layout.padded_numel)
     # Alignment gaps make a chunk slightly larger than its rows: one more chunk then.
     for count in range(max(2, -(-parent.padded_numel // max_numel)), rows + 1):
         bounds = [rows * c // count for c in range(count + 1)]
