@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_yafsdp.config import ConfigError, RunConfig
 from lightning_yafsdp.core.comm.mesh import default_shard_size
-from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes
+from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes, chunks_vocabulary
 from lightning_yafsdp.core.plan.sharding import NORM_GROUP, ROOT_GROUP, plan_layouts
 from lightning_yafsdp.dtype_policy import DtypePolicy
 
@@ -303,7 +303,10 @@ def estimate(
     reduce_dtype = getattr(torch, config.strategy.reduce_dtype)
     # As shard_model decides: ZeRO-3 with flat sharding runs vocabulary-sized modules in chunks.
     strategy = config.strategy
-    chunked = strategy.vocab_chunks and strategy.zero_stage == 3 and shard_size == world_size
+    hybrid = shard_size < world_size
+    chunked = chunks_vocabulary(
+        strategy.vocab_chunks, zero_stage=strategy.zero_stage, hybrid=hybrid
+    )
     units, residents, schedule = group_sizes(model, shard_size, vocab_chunks=chunked)
     p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))
     est = Estimate(

@@ -14,6 +14,12 @@ from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 
 
+def chunks_vocabulary(enabled: bool, *, zero_stage: int, hybrid: bool) -> bool:
+    """Whether vocabulary-sized modules run in row chunks ([Note: row chunks]): asked
+    for, ZeRO-3 (ZeRO-2 keeps one buffer per unit anyway) and flat sharding."""
+    return enabled and zero_stage == 3 and not hybrid
+
+
 @dataclass(frozen=True)
 class ScheduledUnit:
     """What one unit of the schedule gathers, reduces and moves (elements).

@@ -31,7 +31,12 @@ from lightning_yafsdp.core.plan.materialize import (
 )
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.plan.root_units import split_root
-from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes, scheduled_units
+from lightning_yafsdp.core.plan.schedule import (
+    ScheduledUnit,
+    buffer_sizes,
+    chunks_vocabulary,
+    scheduled_units,
+)
 from lightning_yafsdp.core.runtime.chunked_unit import ChunkedParams, RowChunkUnit, can_chunk
 from lightning_yafsdp.core.runtime.engine import EngineMasters, YaFSDPEngine
 from lightning_yafsdp.core.runtime.flat_group import ParamOwner
@@ -135,7 +140,8 @@ def shard_model(
     # 1. Plan: which parameter joins which group, and every layout. Layouts split each
     # group over the shard group: a shard group of K ranks is sharded exactly as a flat
     # world of K ranks ([Note: hybrid sharding]).
-    chunked = vocab_chunks and zero_stage == 3 and mesh.replicate_group is None
+    hybrid = mesh.replicate_group is not None
+    chunked = chunks_vocabulary(vocab_chunks, zero_stage=zero_stage, hybrid=hybrid)
     plan = _plan(module, find_units(module, units), norm_classes, mesh.shard_size, chunked)
     unit_specs, norm_spec, root_spec, _ = plan.specs
     _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])

@@ -16,7 +16,6 @@ from torch import nn
 
 from lightning_yafsdp.core.comm.collectives import WorkList, broadcast_into, reduce_into
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner
-from lightning_yafsdp.core.runtime.placeholder import UngatheredWeight
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
@@ -92,7 +91,6 @@ class ChunkedParams(FlatParamGroup):
         self.module = module
         self.chunks: list[RowChunkUnit] = []
         self._hook = None
-        self._placeholders: list | None = None
 
     def install_forward(self) -> None:
         """Replace the module's forward by the loop over its chunks."""
@@ -132,24 +130,6 @@ class ChunkedParams(FlatParamGroup):
                 "rank's shards only and cannot compute. Average, save or load it, or run the "
                 "original model (swap weights into it, as WeightAveraging does)."
             )
-
-    def expose_placeholders(self, buffer: torch.Tensor) -> None:
-        """While a forward is under way the module's weights read as ungathered weights.
-
-        As a root unit's ([Note: ungathered weights]): shape, compute dtype and device
-        for a parent's ``h.to(self.head.weight.dtype)``; values refuse, by name.
-        """
-        if self._placeholders is None:
-            self._placeholders = [
-                (
-                    owner,
-                    UngatheredWeight(span.name, self.name, span.shape, buffer.dtype, buffer.device),
-                )
-                for span, owners in zip(self.layout.spans, self.owners, strict=True)
-                for owner in owners
-            ]
-        for owner, placeholder in self._placeholders:
-            owner.module.__dict__.setdefault(owner.attr, placeholder)
 
     def grad_ranges(self, rank: int) -> list[tuple[int, int]]:
         """This rank's grad range, split at every chunk part it owns (the rest: gaps)."""
@@ -219,10 +199,6 @@ class RowChunkUnit(ShardedUnit):
     def param_group(self) -> FlatParamGroup:
         return self.parent
 
-    def expose_placeholders(self) -> None:
-        """The chunk module is private: the parent's module shows the placeholders."""
-        self.parent.expose_placeholders(self.weight_buffer.tensor)
-
     def end_iteration(self) -> None:
         super().end_iteration()
         self.parent.uninstall_views()  # its placeholders
@@ -235,12 +211,9 @@ class RowChunkUnit(ShardedUnit):
         super().accumulate_param_grad(index, grad)
         self.parent.used_in_backward[index] = True
 
-    def _issue_gather(self) -> None:
-        buffer = self.weight_buffer
-        if buffer.gather is not None:
-            buffer.gather.wait()  # a prefetch for another unit: let it land before overwriting
+    def _gather_launch(self, buffer) -> tuple:
+        """One broadcast per owning rank's part; no staging ([Note: row chunks])."""
         engine = self.engine
-        buffer.holder, buffer.version = self, engine.compute_version
         # Mixed precision: the owner's part is cast as it is copied in ([Note: cast on gather]).
         source = self.compute_shard if self.compute_shard is not None else self.master_shard
         out, me = buffer.tensor.data, engine.shard_rank
@@ -262,22 +235,11 @@ class RowChunkUnit(ShardedUnit):
                 )
             return WorkList(works) if async_op else None
 
-        buffer.gather = engine.scheduler.issue(
-            "gather",
-            unit=self.name,
-            slot=buffer.index,
-            tag=(self.index, self.layout.padded_numel),
-            launch=launch,
-            after=buffer.release_event,
-        )
-        buffer.release_event = None
+        return launch, buffer.release_event, False  # condition 2
 
-    def _reduce(self) -> None:
+    def _issue_reduction(self, grad_buffer) -> tuple:
+        """One reduce per owning rank's part; each owner adds its parts into its grad shard."""
         engine = self.engine
-        self.finish_grad_writes()
-        engine.advance_reductions()
-        grad_buffer = self.grad_buffer
-        grad_buffer.complete_reduce()  # the previous user's reduced shard is read first
         full, reduced = grad_buffer.tensor, grad_buffer.reduced
 
         def copy_out() -> None:  # the grad buffer is free once the owned parts are copied
@@ -303,9 +265,7 @@ class RowChunkUnit(ShardedUnit):
             copy_out()
             return None
 
-        grad_buffer.on_reduced = self._add_owned_parts
-        self.life.fire("reduce")
-        grad_buffer.reduce = engine.scheduler.issue_reduce(
+        pending = engine.scheduler.issue_reduce(
             unit=self.name,
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
@@ -313,6 +273,7 @@ class RowChunkUnit(ShardedUnit):
             replicate=None,
             after=engine.scheduler.compute_marker(),
         )
+        return self._add_owned_parts, pending
 
     def _add_owned_parts(self) -> None:
         engine, base = self.engine, self.grad_range[0]

@@ -125,6 +125,8 @@ class YaFSDPEngine:
         self._adopt_masters(masters, buffer_sizes)
         self.units: list[ShardedUnit] = []
         self.residents: list[ResidentGroup] = []
+        self._unit_groups: list[FlatParamGroup] = []  # derived in add_groups
+        self._writers: list[FlatParamGroup] = []
         self._hooks: list = []
         # Iteration state.
         self.compute_version = 0
@@ -171,6 +173,8 @@ class YaFSDPEngine:
         """
         self.units.extend(units)
         self.residents.extend(residents)
+        self._unit_groups = list(dict.fromkeys(unit.param_group for unit in self.units))
+        self._writers = list(dict.fromkeys([*self.units, *self.groups()]))
 
     @property
     def root_units(self) -> list[ShardedUnit]:
@@ -479,7 +483,7 @@ class YaFSDPEngine:
 
     def grads_by_master(self) -> list[tuple[ShardGrads, list[FlatParamGroup]]]:
         """Each master's gradient accumulator with the groups stored in that master."""
-        pairs = [(self.unit_grads, [*self._unit_groups(), *self._residents_of(self.unit_grads)])]
+        pairs = [(self.unit_grads, [*self._unit_groups, *self._residents_of(self.unit_grads)])]
         if self.norm_grads is not None:
             pairs.append((self.norm_grads, self._residents_of(self.norm_grads)))
         return pairs
@@ -525,14 +529,11 @@ class YaFSDPEngine:
 
         A module run in row chunks appears once, as the group holding its parameters.
         """
-        return [*self._unit_groups(), *self.residents]
-
-    def _unit_groups(self) -> list[FlatParamGroup]:
-        return list(dict.fromkeys(unit.param_group for unit in self.units))
+        return [*self._unit_groups, *self.residents]
 
     def _grad_writers(self) -> list[FlatParamGroup]:
         """Every group that writes grads or tracks their use: the groups and the row chunks."""
-        return list(dict.fromkeys([*self.units, *self.groups()]))
+        return self._writers
 
     def named_parameter_shards(self) -> Iterator[ParamShard]:
         """This rank's part of every original parameter, by original name (first tied alias)."""

@@ -33,6 +33,7 @@ from lightning_yafsdp.core.comm.buffers import GradBuffer
 from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, ShardPlacement
 from lightning_yafsdp.core.runtime.autograd import Narrow
 from lightning_yafsdp.core.runtime.layout import FlatLayout
+from lightning_yafsdp.core.runtime.placeholder import UngatheredWeight
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class FlatParamGroup:
         # Filled by ``make_sharded_params``: what the modules and the optimizer hold.
         self.sharded_params: list[nn.Parameter] = []
         self.master_ranges: list[tuple[int, int]] = []
+        self._ungathered: list | None = None  # built at first use
 
     @property
     def param_group(self) -> FlatParamGroup:
@@ -225,6 +227,25 @@ class FlatParamGroup:
         for owners in self._all_owners():
             for owner in owners:
                 owner.module.__dict__[owner.attr] = empty
+
+    def expose_ungathered(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Shadow every parameter with an ``UngatheredWeight`` of the gathered shape,
+        ``dtype`` and ``device`` ([Note: ungathered weights]); ``uninstall_views`` removes them.
+
+        An attribute that holds a view already keeps it.
+        """
+        if self._ungathered is None:
+            placed = [(self.layout, self.owners)]
+            if self.frozen_layout is not None:
+                placed.append((self.frozen_layout, self.frozen_owners))
+            self._ungathered = [
+                (owner, UngatheredWeight(span.name, self.name, span.shape, dtype, device))
+                for layout, owners_list in placed
+                for span, owners in zip(layout.spans, owners_list, strict=True)
+                for owner in owners
+            ]
+        for owner, placeholder in self._ungathered:
+            owner.module.__dict__.setdefault(owner.attr, placeholder)
 
     def uninstall_views(self) -> None:
         """Drop the gathered views: module attributes are the sharded parameters again."""

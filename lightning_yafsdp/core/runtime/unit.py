@@ -37,7 +37,6 @@ from lightning_yafsdp.core.comm.collectives import WorkList, all_gather_into
 from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.runtime.autograd import GateGradFlow, PreBackwardGate
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
-from lightning_yafsdp.core.runtime.placeholder import UngatheredWeight
 from lightning_yafsdp.core.runtime.tensor_tree import map_tensors, tensors_in
 from lightning_yafsdp.core.runtime.unit_state import UnitLifecycle, UnitState
 
@@ -95,7 +94,6 @@ class ShardedUnit(FlatParamGroup):
                 module.register_forward_hook(outside_compile(self._post_forward), always_call=True),
             ]
         self._original_forward = None
-        self._placeholders: list | None = None  # root units: built at first use
 
     @property
     def state(self) -> UnitState:
@@ -139,6 +137,23 @@ class ShardedUnit(FlatParamGroup):
         engine = self.engine
         buffer.holder = self
         buffer.version = engine.compute_version
+        launch, after, staged = self._gather_launch(buffer)
+        buffer.gather = engine.scheduler.issue(
+            "gather",
+            unit=self.name,
+            slot=buffer.index,
+            tag=(self.index, self.layout.padded_numel),
+            launch=launch,
+            after=after,
+        )
+        buffer.release_event = None
+        if staged:
+            engine.gather_staging.readers[self.index % 2] = buffer.gather
+
+    def _gather_launch(self, buffer) -> tuple:
+        """``(launch, after, staged)``: the collectives writing ``buffer``, the compute
+        event they wait for, and whether they read gather staging ([Note: cast on gather])."""
+        engine = self.engine
         padded = self.layout.padded_numel
         source, after = self.compute_shard, buffer.release_event  # condition 2
         if source is None:
@@ -160,17 +175,7 @@ class ShardedUnit(FlatParamGroup):
             ]
             return WorkList(works) if async_op else None
 
-        buffer.gather = engine.scheduler.issue(
-            "gather",
-            unit=self.name,
-            slot=buffer.index,
-            tag=(self.index, padded),
-            launch=launch,
-            after=after,
-        )
-        buffer.release_event = None
-        if self.compute_shard is None:
-            engine.gather_staging.readers[self.index % 2] = buffer.gather
+        return launch, after, self.compute_shard is None
 
     def _release_weights(self, note: str) -> None:
         """The unit stops computing with its weight buffer (condition 2's release point)."""
@@ -341,21 +346,25 @@ class ShardedUnit(FlatParamGroup):
         engine.advance_reductions()  # hybrid sharding on CPU: start earlier all_reduces
         grad_buffer = self.grad_buffer
         grad_buffer.complete_reduce()  # the previous user's reduced shard is read first
+        self.life.fire("reduce")
+        grad_buffer.on_reduced, grad_buffer.reduce = self._issue_reduction(grad_buffer)
+
+    def _issue_reduction(self, grad_buffer) -> tuple:
+        """``(on_reduced, pending)``: the reduction of ``grad_buffer`` issued, and what adds
+        its result into the master-dtype grad once it is final."""
+        engine = self.engine
         full = grad_buffer.tensor[: self.layout.padded_numel]
         reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
         # The unit's own prefix of the shared staging tensor (units differ in size).
-        grad_buffer.on_reduced = lambda: engine.unit_grads.add(
-            start, end, reduced, engine.divide_factor
-        )
-        self.life.fire("reduce")
-        grad_buffer.reduce = engine.issue_reduction(
+        pending = engine.issue_reduction(
             unit=self.name,
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
             full=full,
             reduced=reduced,
         )
+        return (lambda: engine.unit_grads.add(start, end, reduced, engine.divide_factor)), pending
 
     # -- activation checkpointing ---------------------------------------------
 
@@ -389,24 +398,9 @@ class ShardedUnit(FlatParamGroup):
         engine's ``begin_forward`` and after the unit's own forward), removed at the
         end of the iteration. Blocks keep their views ([Note: views outlive forward]).
         """
-        if self.is_block:
-            return
-        if self._placeholders is None:
-            self._placeholders = self._make_placeholders()
-        for owner, placeholder in self._placeholders:
-            owner.module.__dict__.setdefault(owner.attr, placeholder)
-
-    def _make_placeholders(self) -> list:
-        dtype, device = self.weight_buffer.tensor.dtype, self.weight_buffer.tensor.device
-        placed = [(self.layout, self.owners)]
-        if self.frozen_layout is not None:
-            placed.append((self.frozen_layout, self.frozen_owners))
-        return [
-            (owner, UngatheredWeight(span.name, self.name, span.shape, dtype, device))
-            for layout, owners_list in placed
-            for span, owners in zip(layout.spans, owners_list, strict=True)
-            for owner in owners
-        ]
+        if not self.is_block:
+            buffer = self.weight_buffer.tensor
+            self.param_group.expose_ungathered(buffer.dtype, buffer.device)
 
     def abandon_iteration(self) -> None:
         """The backward raised: back to IDLE from wherever it stopped."""
