@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.plan.meta_build import constructor_values
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core import YaFSDPEngine
@@ -58,8 +59,11 @@ def check_optimizers_hold_model_params(
 
 
 def check_single_device(module: nn.Module) -> None:
+    # [Note: constructor values in meta builds]: small real tensors beside meta ones are
+    # values the constructor computed (CLIP's logit_scale), kept and synced by shard_model.
+    kept = {id(p) for _, p in constructor_values(module)}
     meta = [name for name, p in module.named_parameters() if p.is_meta]
-    real = [name for name, p in module.named_parameters() if not p.is_meta]
+    real = [name for name, p in module.named_parameters() if not p.is_meta and id(p) not in kept]
     if meta and real:
         raise ValueError(
             f"{type(module).__name__} mixes parameters built on the meta device in "

@@ -74,6 +74,7 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     read_checkpoint_extras,
 )
 from lightning_yafsdp.core import YaFSDPEngine
+from lightning_yafsdp.core.plan.meta_build import meta_device
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
@@ -324,7 +325,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         # are kept) unless empty_init=True puts them on the meta device, where setup()
         # materializes and initializes them group by group ([Note: meta-device
         # configure_model] for configure_model, which model_sharded_context covers).
-        device = torch.device("meta") if empty_init else nullcontext()
+        device = meta_device() if empty_init else nullcontext()
         with device, self.precision_plugin.tensor_init_context():
             yield
 
@@ -338,7 +339,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         # ever holds the whole model. from_pretrained builds on meta too and is loaded
         # from its checkpoint one group at a time (lightning_yafsdp/pretrained.py).
         # `with torch.device("cpu"):` inside configure_model builds real tensors instead.
-        with lazy_from_pretrained(), torch.device("meta"):
+        with lazy_from_pretrained(), meta_device():
             yield
 
     @override

@@ -66,6 +66,7 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     save_fabric_checkpoint,
 )
 from lightning_yafsdp.core import YaFSDPEngine
+from lightning_yafsdp.core.plan.meta_build import meta_device
 from lightning_yafsdp.fabric.precision import YaFSDPPrecision, to_fabric_precision
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
@@ -240,7 +241,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
     @override
     def module_sharded_context(self) -> Generator[None, None, None]:
         # [Note: meta-device configure_model] in lightning_yafsdp/strategy.py.
-        with lazy_from_pretrained(), torch.device("meta"):
+        with lazy_from_pretrained(), meta_device():
             yield
 
     @override

@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_
+from lightning_yafsdp.core.plan.meta_build import init_parametrized_weights
 
 # A module may carry, under this attribute of its ``__dict__``, a source of saved values
 # for the meta tensors of the model (e.g. a safetensors checkpoint; see
@@ -333,6 +334,11 @@ class Materializer:
     def _reset_parameters_of(self, owners: list[nn.Module]) -> None:
         owner_ids = {id(m) for m in owners}
         for module in self._tree.post_order:
+            lists = module._modules.get("parametrizations")
+            if lists is not None and any(id(p) in owner_ids for p in lists.values()):
+                # [Note: constructor values in meta builds] (meta_build.py), kind 3.
+                if init_parametrized_weights(module):
+                    continue
             if id(module) in owner_ids:
                 reset = getattr(module, "reset_parameters", None)
                 if callable(reset):

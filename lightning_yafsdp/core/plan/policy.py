@@ -52,6 +52,8 @@ def find_units(root: nn.Module, units: UnitsSpec = None) -> list[tuple[str, nn.M
             continue
         if any(name.startswith(outer + ".") for outer, _ in found):
             continue  # nested inside a unit already taken
+        if not has_own_forward(module):
+            raise ValueError(_never_called_message(name, module))
         found.append((name, module))
     if not found:
         raise ValueError(
@@ -59,6 +61,26 @@ def find_units(root: nn.Module, units: UnitsSpec = None) -> list[tuple[str, nn.M
             "check the class or names (module names as printed by model.named_modules())."
         )
     return found
+
+
+def has_own_forward(module: nn.Module) -> bool:
+    """False for containers that are never called (``nn.ModuleList``, ``nn.ModuleDict``).
+
+    A unit is gathered by hooks on its forward; a module without a forward of its own
+    only holds children that its parent calls one by one, so hooks on it never run.
+    """
+    return type(module).forward is not nn.Module.forward
+
+
+def _never_called_message(name: str, module: nn.Module) -> str:
+    children = [_join(name, child) for child, _ in module.named_children()]
+    classes = sorted({type(child).__name__ for child in module.children()})
+    return (
+        f"units= selects {name!r}, a {type(module).__name__}, which has no forward of its "
+        "own: its parent calls its children one by one, so it never runs as a unit and its "
+        "weights would never be gathered. Select the modules it holds instead, e.g. "
+        f"units={children[:4]!r} or units=[{', '.join(classes) or 'TheBlockClass'}]."
+    )
 
 
 def is_norm_module(module: nn.Module, norm_classes: NormSpec = None) -> bool:
@@ -89,6 +111,8 @@ def is_norm_module(module: nn.Module, norm_classes: NormSpec = None) -> bool:
 #    or any class when they are direct children of the model's trunk (the root, or what
 #    its wrappers hold: ``self.fc1``, ``self.fc2``);
 # 3. the parameter-holding children of the largest nn.Sequential (a plain stack of layers).
+# A unit is always a module with a forward of its own: a ModuleList/ModuleDict is never
+# called (its parent calls its children), so hooks on it would never gather its weights.
 # Rules 2 and 3 are guesses about code without a block container: they count only when
 # the units they find hold at least half of the model's parameters. Otherwise
 # auto-detection gives up and the error names what to pass.
@@ -124,6 +148,8 @@ def _repeated_containers(root: nn.Module) -> list[tuple[str, nn.Module]]:
         children = list(container.named_children())
         if len({type(child) for _, child in children}) != 1 or not _numel(container):
             continue
+        if not has_own_forward(children[0][1]):
+            continue  # a list of lists: the inner lists' children are the blocks
         found.extend((_join(name, child_name), child) for child_name, child in children)
     return found
 
@@ -148,7 +174,7 @@ def _same_class_siblings(root: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, parent in root.named_modules():
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
         for child_name, child in parent.named_children():
-            if _numel(child):
+            if _numel(child) and has_own_forward(child):
                 by_class.setdefault(type(child), []).append((_join(name, child_name), child))
         for cls, siblings in by_class.items():
             user_block = not cls.__module__.startswith("torch.")
@@ -162,7 +188,11 @@ def _plain_stack(root: nn.Module) -> list[tuple[str, nn.Module]]:
     if not stacks:
         return []
     name, stack = max(stacks, key=lambda item: _numel(item[1]))
-    layers = [(_join(name, n), child) for n, child in stack.named_children() if _numel(child)]
+    layers = [
+        (_join(name, n), child)
+        for n, child in stack.named_children()
+        if _numel(child) and has_own_forward(child)
+    ]
     return layers if len(layers) >= 2 else []
 
 

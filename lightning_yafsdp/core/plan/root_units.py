@@ -9,14 +9,15 @@ the world size. Now the large ones are units like the blocks: gathered before
 their module's forward into the shared weight buffers, released after it,
 re-gathered for their backward, reduce-scattered right after it.
 
-A *root block* is the topmost module on a parameter's path that contains no
-block: for ``model.embed_tokens.weight`` it is ``model.embed_tokens`` (``model``
-contains the layers); for ``lm_head.weight``, ``lm_head``. Hooks on it see every
-read of its parameters that happens inside its own forward, a parent reading a
-child's weight included (CLIP's text embeddings). A tensor tied across root
-blocks (a GPT-2 / T5 style tied embedding and head) joins them into one unit
-with several modules, called several times per forward, whose grads add up in
-its grad buffer between calls (the state machine's multi-call path).
+A *root block* is the topmost module on a parameter's path that contains no block and
+has a forward of its own (a ``ModuleList`` is never called: its parent calls its
+children, so the root block is the child on the path): for ``model.embed_tokens.weight``
+it is ``model.embed_tokens`` (``model`` contains the layers); for ``lm_head.weight``,
+``lm_head``. Hooks on it see every read of its parameters that happens inside its own
+forward, a parent reading a child's weight included (CLIP's text embeddings). A tensor
+tied across root blocks (a GPT-2 / T5 style tied embedding and head) joins them into one
+unit with several modules, called several times per forward, whose grads add up in its
+grad buffer between calls (the state machine's multi-call path).
 
 What stays resident: parameters owned by the root or by a module that contains
 blocks (ViT's ``cls_token`` on the root; nothing hooks a read of those before
@@ -34,6 +35,7 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_yafsdp.core.plan.group_spec import GroupSpec
+from lightning_yafsdp.core.plan.policy import has_own_forward
 
 # A root block smaller than this fraction of the largest block stays resident.
 ROOT_UNIT_MIN_FRACTION = 1 / 8
@@ -99,13 +101,15 @@ def _modules_holding_blocks(by_name: dict[str, nn.Module], unit_modules) -> set[
 
 
 def _root_block(param_name: str, by_name, holds_block: set[int]) -> nn.Module | None:
-    """The topmost module on the path of ``param_name`` that contains no block."""
+    """The topmost module on the path of ``param_name`` that contains no block and is
+    called: a container without a forward (``nn.ModuleList``) is passed over for the
+    child on the path, since its parent calls that child directly."""
     parts = param_name.split(".")[:-1]
     for i in range(len(parts)):
         module = by_name[".".join(parts[: i + 1])]
-        if id(module) not in holds_block:
+        if id(module) not in holds_block and has_own_forward(module):
             return module
-    return None  # owned by the root or by an ancestor of the blocks
+    return None  # owned by the root, by an ancestor of the blocks, or by a container
 
 
 def _numel(module: nn.Module) -> int:

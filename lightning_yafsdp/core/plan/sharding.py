@@ -29,6 +29,7 @@ from lightning_yafsdp.core.plan.materialize import (
     ModelInitFactory,
     draw_init_seed,
 )
+from lightning_yafsdp.core.plan.meta_build import constructor_values
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.plan.root_units import split_root
 from lightning_yafsdp.core.plan.schedule import (
@@ -151,6 +152,7 @@ def shard_model(
     stats = CommStats()
     init_on = None
     if built_on_meta:
+        _agree_on_constructor_values(module, mesh, device, stats)
         init_on = _materializer(module, plan, mesh, device, param_init_fn, model_init, stats)
     fill = dict(rank=mesh.shard_rank, group=mesh.world_group, sync=sync_module_states)
     fill.update(stats=stats, device=device, dtype=master_dtype, init=init_on)
@@ -212,6 +214,15 @@ def _target_device(
     check_backend(str(dist.get_backend(mesh.world_group)), device)
     check_reduce_dtype(mesh, device, reduce_dtype)
     return device, built_on_meta
+
+
+def _agree_on_constructor_values(module: nn.Module, mesh: ShardMesh, device, stats) -> None:
+    """Rank 0's constructor values, on ``device``, on every rank ([Note: constructor values
+    in meta builds]): a draw in ``__init__`` differs between unseeded ranks."""
+    for _, param in constructor_values(module):
+        with torch.no_grad():
+            param.data = param.data.to(device)
+            broadcast_(param.data, mesh.world_group, src_rank=0, stats=stats)
 
 
 def _materializer(module, plan, mesh, device, param_init_fn, model_init, stats) -> Materializer:
@@ -436,7 +447,8 @@ def get_engine(module: nn.Module) -> YaFSDPEngine:
 
 
 def _single_device(module: nn.Module, *, allow_meta: bool) -> torch.device:
-    devices = {p.device for p in module.parameters()}
+    kept = {id(p) for _, p in constructor_values(module)} if allow_meta else set()
+    devices = {p.device for p in module.parameters() if id(p) not in kept}
     if not devices:
         raise ValueError(f"{type(module).__name__} has no parameters to shard")
     if len(devices) > 1:

@@ -281,11 +281,18 @@ class FlatParamGroup:
         span = self.layout.spans[index]
         region = self._grad_target.narrow(0, span.offset, span.numel).view(span.shape)
         self.used_in_backward[index] = True
-        if self._written[index]:
+        if grad.layout != torch.strided:
+            # [Note: sparse gradients] nn.Embedding(sparse=True) gives a sparse COO grad;
+            # the reduce of the flat buffer is dense anyway, so its rows are added into the
+            # zeroed region (no dense copy of the table is made).
+            if not self._written[index]:
+                region.zero_()
+            region.add_(grad)
+        elif self._written[index]:
             region.add_(grad)
         else:
             region.copy_(grad)
-            self._written[index] = True
+        self._written[index] = True
 
     def finish_grad_writes(self) -> None:
         """Zero what no grad was written to (unused params, padding): the buffer is shared."""

@@ -1,0 +1,97 @@
+"""What a meta-device build keeps of its constructor: constants, small draws, weight norms.
+
+[Note: constructor values in meta builds]
+A model built under ``torch.device("meta")`` has shapes but no values; the engine then
+initializes every tensor by the model's own init scheme (``reset_parameters()``, the
+family's ``_init_weights``). Some values come from no init scheme, only from the
+constructor itself, and three kinds are common enough to keep:
+
+1. **Constants from Python data**: ``nn.Parameter(torch.tensor(config.logit_scale_init))``
+   (CLIP). ``meta_device()`` builds tensors made from Python data (``torch.tensor``,
+   ``torch.as_tensor``) on the CPU, so they hold the constructor's value. They are never an
+   init draw, and they are as small as the data the constructor wrote out.
+2. **Small tensors the constructor made real anyway**: the legacy ``torch.Tensor(n)``
+   ignores the device context (wav2vec2's ``masked_spec_embed``, ``.uniform_()`` in
+   ``__init__``). Such a tensor, and those of kind 1, are accepted in a meta build when
+   each holds at most ``CONSTRUCTOR_VALUE_MAX_NUMEL`` elements; rank 0's value is
+   broadcast so that every rank starts from the same draw. A larger real tensor beside meta
+   ones is still refused (a half-loaded model).
+3. **Weight-norm parametrizations** (``nn.utils.parametrizations.weight_norm``, wav2vec2's
+   positional convolution): the parameters are the originals ``g`` and ``v``; the module's
+   ``reset_parameters()`` writes a *computed* weight, which changes neither, so they would
+   stay uninitialized. ``init_parametrized_weights`` initializes a plain weight of the
+   same shape by the module's own ``reset_parameters()`` and assigns it, which
+   parametrize turns into originals through the parametrization's ``right_inverse``
+   (``g = ||w||``, ``v = w``): exactly what the constructor did to its eager weight.
+Anything else the constructor computes stays refused by the init guard, with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.overrides import TorchFunctionMode
+
+# A real tensor of at most this many elements in a meta build is a constructor value.
+CONSTRUCTOR_VALUE_MAX_NUMEL = 1 << 16
+_FROM_DATA = (torch.tensor, torch.as_tensor)
+
+
+class _ConstructorData(TorchFunctionMode):
+    """Tensors made from Python data land on the CPU unless a device is named."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FROM_DATA and kwargs.get("device") is None:
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def meta_device() -> Iterator[None]:
+    """``torch.device("meta")`` that keeps constructor constants (see the note)."""
+    with torch.device("meta"), _ConstructorData():
+        yield
+
+
+def constructor_values(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The real tensors of a meta build that are constructor values (kinds 1 and 2).
+
+    Empty unless the module holds meta parameters beside real ones that are each at most
+    ``CONSTRUCTOR_VALUE_MAX_NUMEL`` elements.
+    """
+    params = list(module.named_parameters())
+    if not any(p.is_meta for _, p in params):
+        return []
+    real = [(name, p) for name, p in params if not p.is_meta]
+    if any(p.numel() > CONSTRUCTOR_VALUE_MAX_NUMEL for _, p in real):
+        return []
+    return real
+
+
+def init_parametrized_weights(module: nn.Module) -> bool:
+    """Initialize the originals of ``module``'s parametrized tensors by its own
+    ``reset_parameters()`` (kind 3 of the note); False if it has none or no reset."""
+    if not parametrize.is_parametrized(module) or not callable(
+        getattr(module, "reset_parameters", None)
+    ):
+        return False
+    # A shallow twin of the module's own class (parametrize subclassed it and refuses
+    # copy.copy): the same attributes and parameters, a plain tensor for each weight.
+    plain = object.__new__(type(module).__bases__[0])
+    plain.__dict__ = dict(module.__dict__)
+    plain._modules = {k: v for k, v in module._modules.items() if k != "parametrizations"}
+    plain._parameters = dict(module._parameters)
+    names = list(module.parametrizations.keys())
+    for name in names:
+        computed = getattr(module, name)
+        plain._parameters[name] = nn.Parameter(torch.empty_like(computed))
+    plain.reset_parameters()
+    with torch.no_grad():
+        for name in names:
+            setattr(module, name, plain._parameters[name].detach())
+    return True
