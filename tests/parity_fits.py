@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from tests.zoo_models import full_weights
+from tests.zoo_models import InitialWeights, full_weights
 
 ModelFactory = Callable[[], nn.Module]
 # (model, batch) -> scalar loss
@@ -43,8 +43,7 @@ class FactoryModule(pl.LightningModule):
             self.model = build()
 
     def configure_model(self) -> None:
-        if self.model is None:
-            torch.manual_seed(0)
+        if self.model is None:  # unseeded, as a user's: each rank's generator as it is
             self.model = self.build()
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -71,13 +70,15 @@ def fit(
     strategy, build: ModelFactory, loss_fn: LossFn, rows: list[dict], *, eager: bool = True,
     world_size: int, steps: int, batch_size: int = 2, lr: float = 0.05, clip: float | None = 1.0,
 ) -> dict:  # fmt: skip
-    """One fit; its losses, final full weights and (under yafsdp) unit names, or its error."""
+    """One fit; its losses, first and final full weights, (under yafsdp) unit names, or its
+    error."""
     module = FactoryModule(build, loss_fn, eager=eager, lr=lr)
+    initial = InitialWeights()
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=world_size, precision="32-true",
         max_steps=steps, gradient_clip_val=clip, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=0,
+        limit_val_batches=0, callbacks=[initial],
     )  # fmt: skip
     try:
         trainer.fit(module, DataLoader(_Rows(rows), batch_size=batch_size, shuffle=False))
@@ -87,6 +88,7 @@ def fit(
     return {
         "error": None,
         "losses": module.losses,
+        "initial": initial.weights,
         "final": full_weights(trainer, module),
         "units": [unit.name for unit in engine.units] if engine is not None else [],
     }

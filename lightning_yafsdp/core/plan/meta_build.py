@@ -12,10 +12,10 @@ constructor itself, and three kinds are common enough to keep:
    init draw, and they are as small as the data the constructor wrote out.
 2. **Small tensors the constructor made real anyway**: the legacy ``torch.Tensor(n)``
    ignores the device context (wav2vec2's ``masked_spec_embed``, ``.uniform_()`` in
-   ``__init__``). Such a tensor, and those of kind 1, are accepted in a meta build when
-   each holds at most ``CONSTRUCTOR_VALUE_MAX_NUMEL`` elements; rank 0's value is
-   broadcast so that every rank starts from the same draw. A larger real tensor beside meta
-   ones is still refused (a half-loaded model).
+   ``__init__``). ``meta_device()`` remembers the small real tensors made inside it, and
+   those (with kind 1) are accepted in a meta build; rank 0's value is broadcast so that
+   every rank starts from the same draw. Any other real tensor beside meta ones is still
+   refused (a half-loaded model, a module built in ``__init__``).
 3. **Weight-norm parametrizations** (``nn.utils.parametrizations.weight_norm``, wav2vec2's
    positional convolution): the parameters are the originals ``g`` and ``v``; the module's
    ``reset_parameters()`` writes a *computed* weight, which changes neither, so they would
@@ -36,41 +36,56 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
-# A real tensor of at most this many elements in a meta build is a constructor value.
+# A real tensor of at most this many elements made inside ``meta_device()`` is a
+# constructor value; larger ones are not kept (a constructor's value is a constant or a
+# small draw, and a large one would cost its memory on every rank until setup).
 CONSTRUCTOR_VALUE_MAX_NUMEL = 1 << 16
 _FROM_DATA = (torch.tensor, torch.as_tensor)
+# The real tensors made under meta_device(), by storage address: nn.Parameter(t) shares
+# t's storage, so a parameter is found by its data pointer. Holding the tensors keeps the
+# addresses from being reused by another tensor (they are small by construction).
+_made_under_meta: dict[int, torch.Tensor] = {}
 
 
 class _ConstructorData(TorchFunctionMode):
-    """Tensors made from Python data land on the CPU unless a device is named."""
+    """Tensors made from Python data land on the CPU unless a device is named; small real
+    tensors made here (kinds 1 and 2 of the note) are remembered."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func in _FROM_DATA and kwargs.get("device") is None:
             kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if (
+            isinstance(result, torch.Tensor)
+            and result.device.type != "meta"
+            and 0 < result.numel() <= CONSTRUCTOR_VALUE_MAX_NUMEL
+        ):
+            _made_under_meta[result.untyped_storage().data_ptr()] = result
+        return result
 
 
 @contextmanager
 def meta_device() -> Iterator[None]:
-    """``torch.device("meta")`` that keeps constructor constants (see the note)."""
+    """``torch.device("meta")`` that keeps constructor values (see the note)."""
     with torch.device("meta"), _ConstructorData():
         yield
 
 
 def constructor_values(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The real tensors of a meta build that are constructor values (kinds 1 and 2).
+    """The real parameters of a meta build that its constructor made (kinds 1 and 2).
 
-    Empty unless the module holds meta parameters beside real ones that are each at most
-    ``CONSTRUCTOR_VALUE_MAX_NUMEL`` elements.
+    Empty unless the module also holds meta parameters. Real parameters made elsewhere
+    (built in ``__init__``, loaded with ``assign=True``) are not constructor values.
     """
     params = list(module.named_parameters())
     if not any(p.is_meta for _, p in params):
         return []
-    real = [(name, p) for name, p in params if not p.is_meta]
-    if any(p.numel() > CONSTRUCTOR_VALUE_MAX_NUMEL for _, p in real):
-        return []
-    return real
+    return [
+        (name, p)
+        for name, p in params
+        if not p.is_meta and p.numel() and p.untyped_storage().data_ptr() in _made_under_meta
+    ]
 
 
 def init_parametrized_weights(module: nn.Module) -> bool:

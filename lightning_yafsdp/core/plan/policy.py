@@ -117,6 +117,8 @@ def is_norm_module(module: nn.Module, norm_classes: NormSpec = None) -> bool:
 # the units they find hold at least half of the model's parameters. Otherwise
 # auto-detection gives up and the error names what to pass.
 _FALLBACK_MIN_SHARE = 0.5
+# torch's containers that are never called (their parent calls their children).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def auto_detect_units(root: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -148,7 +150,7 @@ def _repeated_containers(root: nn.Module) -> list[tuple[str, nn.Module]]:
         children = list(container.named_children())
         if len({type(child) for _, child in children}) != 1 or not _numel(container):
             continue
-        if not has_own_forward(children[0][1]):
+        if isinstance(children[0][1], _CONTAINERS):
             continue  # a list of lists: the inner lists' children are the blocks
         found.extend((_join(name, child_name), child) for child_name, child in children)
     return found
@@ -174,7 +176,7 @@ def _same_class_siblings(root: nn.Module) -> list[tuple[str, nn.Module]]:
     for name, parent in root.named_modules():
         by_class: dict[type, list[tuple[str, nn.Module]]] = {}
         for child_name, child in parent.named_children():
-            if _numel(child) and has_own_forward(child):
+            if _numel(child) and not isinstance(child, _CONTAINERS):
                 by_class.setdefault(type(child), []).append((_join(name, child_name), child))
         for cls, siblings in by_class.items():
             user_block = not cls.__module__.startswith("torch.")
@@ -191,7 +193,7 @@ def _plain_stack(root: nn.Module) -> list[tuple[str, nn.Module]]:
     layers = [
         (_join(name, n), child)
         for n, child in stack.named_children()
-        if _numel(child) and has_own_forward(child)
+        if _numel(child) and not isinstance(child, _CONTAINERS)
     ]
     return layers if len(layers) >= 2 else []
 
