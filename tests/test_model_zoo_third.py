@@ -305,11 +305,41 @@ def test_wav2vec2_built_on_meta_has_its_weight_norm_and_draws_the_same_on_every_
     bound = math.sqrt(4 / (32 * 16))
     assert 0.5 * bound < v.abs().max().item() < 1.5 * bound
     # masked_spec_embed is drawn in __init__ with the legacy torch.Tensor(n), real even on
-    # meta: every rank starts from rank 0's draw (each rank's shard of its own draw would
-    # make a vector no rank drew).
+    # meta: every rank starts from rank 0's draw. (Sharded, each rank's piece of its own
+    # draw would still be one consistent vector; a frozen one, below, would not be.)
     from lightning_yafsdp.core.plan.meta_build import meta_device
 
     torch.manual_seed(100)  # rank 0's generator before its build
     with meta_device():
         drawn = _wav2vec2().wav2vec2.masked_spec_embed
     assert torch.equal(first["model.wav2vec2.masked_spec_embed"], drawn)
+
+
+class _FrozenDraw(nn.Module):
+    """A frozen gain drawn in ``__init__`` (replicated, not sharded) beside two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.gain = nn.Parameter(torch.Tensor(8).uniform_(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x)) * self.gain
+        return x
+
+
+def _frozen_draw_run() -> dict:
+    torch.manual_seed(200 + dist.get_rank())
+    gen = torch.Generator().manual_seed(5)
+    rows = [{"x": torch.randn(8, generator=gen), "y": torch.randn(8, generator=gen)}
+            for _ in range(4)]  # fmt: skip
+    return fit("yafsdp", _FrozenDraw, _stage_loss, rows, eager=False, world_size=2, steps=2)
+
+
+def test_a_frozen_value_drawn_in_the_constructor_is_rank_zeros_on_every_rank():
+    first, second = dist_run(2, _frozen_draw_run, timeout_s=120)
+    assert first["error"] is None, first["error"]
+    torch.manual_seed(200)  # rank 0's generator before its build
+    assert torch.equal(first["initial"]["model.gain"], torch.Tensor(8).uniform_())
+    assert torch.equal(second["initial"]["model.gain"], first["initial"]["model.gain"])
