@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_yafsdp.config import ConfigError
+from lightning_yafsdp.training.launch_env import RUN_NAME_ENV, is_rank_zero
 
 RESUME_ENV = "YAFSDP_RESUME_FROM"
 # The value of ``--resume`` given without a path: the run's newest checkpoint.
@@ -68,8 +69,6 @@ def handoff_scope() -> Iterator[None]:
     """Keep the run name and resume decision handed to launched ranks (environment
     variables) from outliving the run in this process: a later run in the same process,
     or processes it spawns for something else, must not inherit them."""
-    from lightning_yafsdp.training.runner import RUN_NAME_ENV
-
     saved = {name: os.environ.get(name) for name in (RUN_NAME_ENV, RESUME_ENV)}
     try:
         yield
@@ -149,8 +148,6 @@ def plan_start(run_dir: Path, resume: str | None) -> RunStart:
             a run.
         DamagedCheckpointError: the checkpoint has a missing or truncated file.
     """
-    from lightning_yafsdp.training.runner import is_rank_zero
-
     rank_zero = is_rank_zero()
     handed_down = os.environ.get(RESUME_ENV)
     if handed_down is not None and not rank_zero:

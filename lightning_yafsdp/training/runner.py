@@ -30,22 +30,13 @@ from lightning_yafsdp.config import ConfigError, RunConfig, to_yaml
 from lightning_yafsdp.data import TokenDataModule
 from lightning_yafsdp.estimate import Estimate, estimate
 from lightning_yafsdp.training import console
+from lightning_yafsdp.training.launch_env import RUN_NAME_ENV, is_rank_zero
 from lightning_yafsdp.training.module import CausalLMModule
 from lightning_yafsdp.training.preflight import check_inputs
 from lightning_yafsdp.training.progress import StepProgressBar
 from lightning_yafsdp.training.resume import RESUME_ENV, RunStart, handoff_scope, plan_start
 from lightning_yafsdp.training.stats import RunStats, device_peak_flops, peak_memory_bytes
 from lightning_yafsdp.training.thermometers import Thermometers
-
-RUN_NAME_ENV = "YAFSDP_RUN_NAME"
-
-
-def is_rank_zero() -> bool:
-    """True in the process that is (or will be) global rank 0."""
-    for var in ("RANK", "SLURM_PROCID"):
-        if var in os.environ:
-            return int(os.environ[var]) == 0
-    return int(os.environ.get("LOCAL_RANK", 0)) == 0 and int(os.environ.get("NODE_RANK", 0)) == 0
 
 
 def run_dir_of(config: RunConfig) -> Path:
