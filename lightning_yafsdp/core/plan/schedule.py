@@ -1,9 +1,11 @@
 """The units of the schedule and the buffer slots they need, from a plan's layouts.
 
 A unit of the plan is one unit of the schedule, except a vocabulary-sized
-embedding or head, which is one per row chunk ([Note: row chunks]). Both the
-engine (what it allocates) and ``yafsdp estimate`` (what it predicts) size the
-buffers from this list, so the two agree to the byte.
+embedding or head, which is one per row chunk ([Note: row chunks]), and a tied
+embedding and head, which is one per row chunk of each use, the uses at their
+modules' places ([Note: tied row chunks]). Both the engine (what it allocates) and
+``yafsdp estimate`` (what it predicts) size the buffers from this list, so the two
+agree to the byte.
 """
 
 from __future__ import annotations
@@ -14,10 +16,21 @@ from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 
 
-def chunks_vocabulary(enabled: bool, *, zero_stage: int, hybrid: bool) -> bool:
-    """Whether vocabulary-sized modules run in row chunks ([Note: row chunks]): asked
-    for, ZeRO-3 (ZeRO-2 keeps one buffer per unit anyway) and flat sharding."""
-    return enabled and zero_stage == 3 and not hybrid
+@dataclass(frozen=True)
+class Segment:
+    """One run of the schedule: a unit of the plan, or one use of a chunked one.
+
+    Attributes:
+        unit: the unit's index in the plan.
+        use: which of the unit's modules this run computes (a chunked unit of several
+            modules, a tied embedding and head, runs once per module); 0 otherwise.
+        reads_weights: whether its backward reads its weights ([Note: weightless
+            backward]).
+    """
+
+    unit: int
+    use: int
+    reads_weights: bool
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class ScheduledUnit:
         staged: its shard cast before the gather under mixed precision (row chunks
             cast as they copy: 0).
         gather_comm / reduce_comm: elements its gather / reduce count in ``CommStats``.
+        replicated: elements its hybrid-sharding all_reduce across the replicas sends
+            on shard rank 0 (a row chunk: the parts rank 0 owns; ranks differ by padding).
         reads_weights: whether its backward reads its weights (re-gathered, ZeRO-3).
         is_block: a block of the policy (False: a root unit or a chunk of one).
     """
@@ -41,6 +56,7 @@ class ScheduledUnit:
     staged: int
     gather_comm: int
     reduce_comm: int
+    replicated: int
     reads_weights: bool
     is_block: bool
 
@@ -65,6 +81,7 @@ def scheduled_units(
                 layout.shard_numel,
                 gathered,
                 layout.padded_numel,
+                layout.shard_numel,
                 reads_weights,
                 is_block,
             )
@@ -78,6 +95,7 @@ def scheduled_units(
             0,
             chunk.comm_numel,
             chunk.comm_numel,
+            chunk.owned_numel(0),
             reads_weights,
             is_block,
         )

@@ -4,45 +4,43 @@
 sharded parameters, exactly as a unit would) and replaces the module's forward
 by one over its chunks; each ``RowChunkUnit`` is a unit of the schedule that
 gathers, computes and reduces one chunk's rows, with a unit's state machine.
+
+[Note: tied row chunks]
+A weight tied between an embedding and a head (GPT-2, Gemma, Llama 3.2 1B/3B) is
+one parameter with two uses. Each use runs as chunks of its own, at its own place
+in the schedule (the embedding's chunks first, the head's last): the same rows,
+gathered once per use. Each use's chunk gradient is reduced as soon as that use's
+backward of the chunk is done, and the owner adds it into the sharded gradient,
+where the two uses meet; so no vocabulary-sized gradient is alive through the
+backward (a whole tied unit holds one from the head's backward to the embedding's).
+The cost is traffic: the table's gradient is reduced twice per backward (once
+per use) instead of once, +1 x vocab x dim x reduce-dtype bytes per rank per
+micro-batch; gathers stay as for a whole tied unit (the embedding's rows are never
+re-gathered for backward, the head's are, but its last two chunks).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_yafsdp.core.comm.collectives import WorkList, broadcast_into, reduce_into
+from lightning_yafsdp.core.comm.collectives import (
+    WorkList,
+    broadcast_into,
+    reduce_into,
+    replicate_all_reduce,
+)
+from lightning_yafsdp.core.runtime.chunk_rules import embedding_post_op, is_embedding_use
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
-
-
-def can_chunk(modules: list[nn.Module], params: list[nn.Parameter], frozen: list) -> bool:
-    """Whether a root unit may run in row chunks: one plain embedding or linear, all trainable.
-
-    Subclasses (a scaled embedding, a quantized linear) may compute anything in their
-    forward, and ``max_norm`` / ``sparse`` embeddings write or need the whole table.
-    """
-    if len(modules) != 1 or frozen:
-        return False
-    module = modules[0]
-    own = [p for p in module.parameters(recurse=False)]
-    if [id(p) for p in params] != [id(p) for p in own]:
-        return False
-    if type(module) is nn.Linear:
-        return True
-    return (
-        type(module) is nn.Embedding
-        and module.max_norm is None
-        and not module.sparse
-        and not module.scale_grad_by_freq
-    )
 
 
 class _LinearRows(nn.Module):
@@ -83,47 +81,62 @@ class ChunkedParams(FlatParamGroup):
     """The parameters of a module run in row chunks, and its chunked forward.
 
     A flat group like a unit's (same layout, shards and sharded parameters), but
-    never gathered whole: its ``chunks`` are the units that run.
+    never gathered whole: its ``chunks`` are the units that run, one run of chunks
+    per use (per module: two for a tied embedding and head, [Note: tied row chunks]).
+
+    Args:
+        modules: the modules using the parameters (one, or the users of a tied weight).
+        row_chunks: the chunks every use runs in.
     """
 
-    def __init__(self, module: nn.Module, **group_kwargs: Any) -> None:
+    def __init__(
+        self, modules: list[nn.Module], row_chunks: tuple[RowChunk, ...], **group_kwargs: Any
+    ) -> None:
         super().__init__(**group_kwargs)
-        self.module = module
+        self.modules = modules
+        self.row_chunks = row_chunks
         self.chunks: list[RowChunkUnit] = []
-        self._hook = None
+        self._hooks: list = []
 
-    def install_forward(self) -> None:
-        """Replace the module's forward by the loop over its chunks."""
-        chunk_modules = [unit.module for unit in self.chunks]
-        if isinstance(self.module, nn.Embedding):
+    def install_forward(self, module: nn.Module, units: list[RowChunkUnit]) -> None:
+        """Replace ``module``'s forward by the loop over ``units``, its use's chunks."""
+        self.chunks += units
+        chunk_modules = [unit.module for unit in units]
+        # Callers may pass the input by keyword, under the name the module's forward
+        # gives it (``input`` for nn.Embedding / nn.Linear, ``input_ids`` for HF's).
+        name = next(iter(inspect.signature(module.forward).parameters))
+        if is_embedding_use(module):
+            post_op = embedding_post_op(module)  # a scaled embedding's scale
 
-            # ``input``: the name nn.Embedding / nn.Linear give it (callers may pass it so).
-            def forward(input: torch.Tensor) -> torch.Tensor:
+            def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+                ids = args[0] if args else kwargs[name]
                 out = None
                 for chunk in chunk_modules:
-                    out = chunk(input, out)
-                return out
+                    out = chunk(ids, out)
+                return out if post_op is None else post_op(out)
         else:
+            out_features = module.out_features
 
-            def forward(input: torch.Tensor) -> torch.Tensor:
+            def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+                x = args[0] if args else kwargs[name]
                 # Written into one logits tensor chunk by chunk, so at most one chunk's
                 # logits exist beside it (torch.cat would hold every chunk's as well).
-                first = chunk_modules[0](input)
-                out = first.new_empty(*first.shape[:-1], self.module.out_features)
+                first = chunk_modules[0](x)
+                out = first.new_empty(*first.shape[:-1], out_features)
                 out[..., : first.shape[-1]] = first
                 start = first.shape[-1]
                 del first
                 for chunk in chunk_modules[1:]:
-                    part = chunk(input)
+                    part = chunk(x)
                     out[..., start : start + part.shape[-1]] = part
                     start += part.shape[-1]
                 return out
 
-        self.module.forward = forward
-        self._hook = self.module.register_forward_pre_hook(self._refuse_copies)
+        module.forward = forward
+        self._hooks.append(module.register_forward_pre_hook(self._refuse_copies))
 
     def _refuse_copies(self, module: nn.Module, args: tuple) -> None:
-        if module is not self.module:
+        if all(module is not own for own in self.modules):
             raise RuntimeError(
                 f"the forward of a deep copy of the sharded module '{self.name}' was called: "
                 "a copy of a sharded model (copy.deepcopy, an EMA's AveragedModel) holds this "
@@ -136,8 +149,8 @@ class ChunkedParams(FlatParamGroup):
         base, end = self.grad_range
         parts = sorted(
             (base + t.shard_offset, base + t.shard_offset + t.numel)
-            for unit in self.chunks
-            for t in unit.chunk.owned_by(rank)
+            for chunk in self.row_chunks  # each use's chunks add into the same ranges
+            for t in chunk.owned_by(rank)
         )
         ranges, cursor = [], base
         for start, stop in parts:
@@ -150,10 +163,11 @@ class ChunkedParams(FlatParamGroup):
         return ranges
 
     def remove_hooks(self) -> None:
-        self.module.__dict__.pop("forward", None)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
 
 class RowChunkUnit(ShardedUnit):
@@ -161,14 +175,25 @@ class RowChunkUnit(ShardedUnit):
 
     Its buffer layout is the chunk's rows; its parameters' views go on a private
     chunk module. The gather broadcasts each owner's part; the reduce sums each
-    part into its owner, who adds it into the parent's grad shard.
+    part into its owner, who adds it into the parent's grad shard (under hybrid
+    sharding after an all_reduce of the owned parts across the replicas).
+
+    Args:
+        source: the module whose use this chunk computes (the embedding or the head).
+        use_name: its name (the chunk is named ``use_name[start:end]``).
     """
 
     def __init__(
-        self, engine: YaFSDPEngine, index: int, parent: ChunkedParams, chunk: RowChunk
+        self,
+        engine: YaFSDPEngine,
+        index: int,
+        parent: ChunkedParams,
+        chunk: RowChunk,
+        *,
+        source: nn.Module,
+        use_name: str,
     ) -> None:
-        source = parent.module
-        if isinstance(source, nn.Embedding):
+        if is_embedding_use(source):
             module: nn.Module = _EmbeddingRows(source, chunk.start, chunk.end)
         else:
             module = _LinearRows(source.bias is not None)
@@ -182,7 +207,7 @@ class RowChunkUnit(ShardedUnit):
             index,
             [module],
             is_block=False,
-            name=f"{parent.name}[{chunk.start}:{chunk.end}]",
+            name=f"{use_name}[{chunk.start}:{chunk.end}]",
             layout=chunk.layout,
             owners=owners,
             master_shard=parent.master_shard,
@@ -192,7 +217,7 @@ class RowChunkUnit(ShardedUnit):
         self.parent, self.chunk = parent, chunk
         self.sharded_params = parent.sharded_params  # one list: filled when params are made
         # [Note: weightless backward] an embedding's rows are not read by its backward.
-        self.backward_reads_weights = not isinstance(source, nn.Embedding)
+        self.backward_reads_weights = not is_embedding_use(source)
         self._owned = chunk.owned_by(engine.shard_rank)
 
     @property
@@ -270,10 +295,28 @@ class RowChunkUnit(ShardedUnit):
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
             scatter=launch,
-            replicate=None,
+            replicate=self._replicate_launch(reduced),
             after=engine.scheduler.compute_marker(),
         )
         return self._add_owned_parts, pending
+
+    def _replicate_launch(self, reduced: torch.Tensor):
+        """Hybrid sharding: the all_reduce of the owned parts across the replicas, which own
+        the same parts ([Note: hybrid sharding]); None with one shard group."""
+        engine = self.engine
+        if engine.replicate_group is None:
+            return None
+        owned = sum(part.numel for part in self._owned)
+
+        def launch(async_op: bool):
+            if not owned:  # this shard rank owns none of the chunk, nor do its replicas
+                return None
+            return replicate_all_reduce(
+                reduced[:owned], engine.replicate_group, async_op=async_op,
+                stats=engine.comm_stats,
+            )  # fmt: skip
+
+        return launch
 
     def _add_owned_parts(self) -> None:
         engine, base = self.engine, self.grad_range[0]
