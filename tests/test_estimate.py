@@ -66,6 +66,7 @@ _CASES = {
         ("trainer.precision=32-true", _CHUNKED, "strategy.vocab_chunks=false"),
         ("trainer.precision=32-true", _CHUNKED, _TIED),
         ("trainer.precision=32-true", _CHUNKED, "strategy.zero_stage=2"),
+        ("trainer.precision=bf16-mixed", _CHUNKED, _TIED, "strategy.zero_stage=2"),
     ],
     3: [
         ("trainer.precision=bf16-mixed", _CHUNKED),
@@ -262,9 +263,21 @@ def test_hybrid_llama3_8b_8x8_is_at_the_floor_of_its_shard_group() -> None:
     assert est.states / floor < 1.04
 
 
-def test_a_tied_weight_under_zero2_is_named_with_its_reason() -> None:
-    est = _floor_estimate("llama3-8b", 8, options=[*_GEMMA2_9B_TIED, "strategy.zero_stage=2"])
-    assert any("not in row chunks" in n and "ZeRO-2" in n for n in est.notes), est.notes
+def test_a_tied_weight_under_zero2_is_gathered_and_held_once() -> None:
+    # ZeRO-2 keeps every unit's gathered weights: the head's chunks read the embedding
+    # chunks' slots ([Note: tied row chunks]), so the weight slots hold the model once,
+    # and the grad slots are block-sized.
+    zero2 = [*_GEMMA2_9B_TIED, "strategy.zero_stage=2"]
+    est = _floor_estimate("llama3-8b", 8, options=zero2)
+    assert not est.notes, est.notes
+    model_numel = sum(g.padded_numel for g in est.units)
+    assert est.weight_buffers == 2 * model_numel  # bf16, every unit's slot once
+    # Grad slots: 2 x a block (1.49 GB) + 2 reduce outputs, each the largest part of a
+    # chunk one rank owns (at 8 ranks a whole shard of the table: 0.92 GB); whole units:
+    # a vocabulary-sized slot (4.97 GB in all).
+    whole = _floor_estimate("llama3-8b", 8, options=[*zero2, "strategy.vocab_chunks=false"])
+    assert whole.grad_buffers > 2 * est.grad_buffers
+    assert any("not in row chunks" in n and "vocab_chunks" in n for n in whole.notes)
 
 
 def test_lora_on_a_frozen_70b_base_keeps_no_state_for_the_base() -> None:

@@ -181,6 +181,9 @@ CASES = [
     # and the whole run agree exactly (0.0), so it is the order of the row-gradient sums.
     (2, dict(head_bias=True, padding_idx=None, zero_stage=2, embedding="scaled", rtol=3e-5)),
     (3, dict(head_bias=False, padding_idx=None, zero_stage=2)),
+    # ZeRO-2, tied: the head's chunks read their embedding chunks' slots.
+    (2, dict(head_bias=False, padding_idx=None, zero_stage=2, tied=True)),
+    (3, dict(head_bias=False, padding_idx=5, zero_stage=2, tied=True, embedding="scaled")),
 ]
 
 
@@ -199,8 +202,9 @@ def test_chunked_vocabulary_matches_the_reference(world_size, options):
     if options.get("tied"):  # the head's chunks run last, after every block
         assert names[-1].startswith("head[") and names[0].startswith("embed["), names
     largest_block = max(sum(p.numel() for p in Block().parameters()) + 64, 1)
-    if options.get("zero_stage") == 2:  # one slot per unit of the schedule
-        assert len(slots) == len(names) and max(slots) <= largest_block, slots
+    if options.get("zero_stage") == 2:  # one slot per unit, a tied head's chunks share
+        shared = sum(n.startswith("head[") for n in names) if options.get("tied") else 0
+        assert len(slots) == len(names) - shared and max(slots) <= largest_block, slots
     else:
         assert max(slots) <= largest_block, slots
     torch.testing.assert_close(losses, expected_losses, rtol=2e-6, atol=0)
@@ -284,7 +288,7 @@ def _chunked_units(options) -> list[str]:
     [
         (dict(embedding="shifted"), ["head"]),  # another forward: the embedding stays whole
         (dict(embedding="scaled"), ["embed", "head"]),
-        (dict(tied=True, zero_stage=2), []),  # a tied weight under ZeRO-2 stays whole
+        (dict(tied=True, zero_stage=2), ["embed", "head"]),
     ],
 )
 def test_only_modules_whose_forward_is_known_run_in_chunks(options, chunked):
@@ -296,9 +300,9 @@ def test_only_modules_whose_forward_is_known_run_in_chunks(options, chunked):
 def test_chunk_refusals_say_why():
     from lightning_yafsdp.core.runtime.chunk_rules import chunk_refusal
 
-    def refusal(modules, params=None, frozen=(), zero_stage=3):
+    def refusal(modules, params=None, frozen=()):
         params = list(modules[0].parameters()) if params is None else params
-        return chunk_refusal(modules, params, list(frozen), zero_stage=zero_stage)
+        return chunk_refusal(modules, params, list(frozen))
 
     plain = nn.Embedding(10, 4)
     assert refusal([plain]) is None
@@ -311,7 +315,6 @@ def test_chunk_refusals_say_why():
     head = nn.Linear(4, 10, bias=False)
     head.weight = plain.weight
     assert refusal([plain, head], [plain.weight]) is None
-    assert "ZeRO-2" in refusal([plain, head], [plain.weight], zero_stage=2)
     biased = nn.Linear(4, 10)
     biased.weight = plain.weight
     assert "more than one weight" in refusal([plain, biased], [plain.weight, biased.bias])
@@ -324,7 +327,7 @@ def test_hugging_face_scaled_embeddings_are_recognised():
     gemma2 = transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding(10, 4, 0)
     bart = transformers.models.bart.modeling_bart.BartScaledWordEmbedding(10, 4, 0)
     for module in (gemma2, bart):
-        assert chunk_refusal([module], [module.weight], [], zero_stage=3) is None
+        assert chunk_refusal([module], [module.weight], []) is None
 
 
 def _float64_run(chunks: bool) -> tuple:

@@ -164,6 +164,7 @@ _PARITY = [
     ("gemma2", "eager", 2, {}),  # tied, a scaled embedding subclass
     ("llama", "eager", 2, {"zero_stage": 2}),
     ("llama", "configure_model", 3, {"zero_stage": 2}),
+    ("llama-tied", "eager", 2, {"zero_stage": 2}),
     # Hybrid sharding: chunks over each shard group, owned parts all-reduced across.
     ("llama", "eager", 4, {"shard_size": 2}),
     ("llama-tied", "configure_model", 4, {"shard_size": 2}),

@@ -48,6 +48,9 @@ class ScheduledUnit:
             on shard rank 0 (a row chunk: the parts rank 0 owns; ranks differ by padding).
         reads_weights: whether its backward reads its weights (re-gathered, ZeRO-3).
         is_block: a block of the policy (False: a root unit or a chunk of one).
+        shares_weights_with: ZeRO-2, a tied weight's head chunk: the schedule index of the
+            embedding chunk of the same rows, whose weight slot (and gathered rows) it
+            uses, so it gathers nothing ([Note: tied row chunks]); else None.
     """
 
     gathered: int
@@ -59,6 +62,7 @@ class ScheduledUnit:
     replicated: int
     reads_weights: bool
     is_block: bool
+    shares_weights_with: int | None = None
 
 
 def scheduled_units(
@@ -107,12 +111,14 @@ def scheduled_units(
 class BufferSizes:
     """Element counts of the engine's buffers, per slot.
 
-    Unit ``i`` of the schedule uses weight slot ``i % len(weights)`` and grad slot
-    ``i % 2``; each slot is sized to the largest unit using it, not to the largest
+    Unit ``i`` of the schedule uses weight slot ``weight_slots[i]`` (ZeRO-3: ``i % 2``;
+    ZeRO-2: one per unit, but a unit sharing another's weights uses that unit's) and grad
+    slot ``i % 2``; each slot is sized to the largest unit using it, not to the largest
     unit overall (ZeRO-2's per-unit buffers are each their own unit's size).
     """
 
     weights: list[int]
+    weight_slots: list[int]
     grads: list[int]
     grad_shards: list[int]
     staging: list[int]
@@ -124,9 +130,22 @@ def buffer_sizes(schedule: list[ScheduledUnit], zero_stage: int) -> BufferSizes:
     def per_slot(sizes: list[int], slots: int) -> list[int]:
         return [max(sizes[k::slots], default=0) for k in range(slots)]
 
-    weight_slots = 2 if zero_stage == 3 else max(len(schedule), 1)
+    if zero_stage == 3:
+        slot_of, count = [i % 2 for i in range(len(schedule))], 2
+    else:
+        slot_of, count = [], 0
+        for unit in schedule:
+            if unit.shares_weights_with is not None:
+                slot_of.append(slot_of[unit.shares_weights_with])
+            else:
+                slot_of.append(count)
+                count += 1
+    weights = [0] * max(count, 1)
+    for unit, slot in zip(schedule, slot_of, strict=True):
+        weights[slot] = max(weights[slot], unit.gathered)
     return BufferSizes(
-        per_slot([u.gathered for u in schedule], weight_slots),
+        weights,
+        slot_of,
         per_slot([u.grads for u in schedule], 2),
         per_slot([u.reduced for u in schedule], 2),
         per_slot([u.staged for u in schedule], 2),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -126,8 +126,8 @@ def shard_model(
             strategies pass. None: torch's convention only.
         vocab_chunks: run an embedding or head larger than a block in row chunks of
             at most a block each, so no buffer slot is vocabulary-sized ([Note: row
-            chunks]); a tied embedding and head too ([Note: tied row chunks]), but
-            under ZeRO-2. Which modules qualify: [Note: chunkable modules].
+            chunks]); a tied embedding and head too ([Note: tied row chunks]). Which
+            modules qualify: [Note: chunkable modules].
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -343,22 +343,33 @@ class ShardingPlan:
     chunks: tuple[tuple[RowChunk, ...] | None, ...] = ()
     segments: tuple[Segment, ...] = ()
     unchunked: tuple[tuple[str, str], ...] = ()
+    zero_stage: int = 3
     specs: tuple = field(default=(), repr=False, compare=False)
 
     def schedule(self) -> list[ScheduledUnit]:
-        """The units of the schedule, in order: each unit, or each row chunk of each use."""
+        """The units of the schedule, in order: each unit, or each row chunk of each use.
+
+        ZeRO-2 keeps a chunk's gathered rows from forward to backward, so a later use of
+        the same rows (a tied weight's head) reads the first use's slot and gathers
+        nothing ([Note: tied row chunks]).
+        """
         chunks = self.chunks or (None,) * len(self.units)
-        return [
-            scheduled
-            for segment in self.segments
-            for scheduled in scheduled_units(
+        schedule: list[ScheduledUnit] = []
+        first_use: dict[tuple[int, int], int] = {}  # (unit, chunk) -> schedule index
+        for segment in self.segments:
+            runs = scheduled_units(
                 self.units[segment.unit][1],
                 self.frozen[segment.unit],
                 chunks[segment.unit],
                 reads_weights=segment.reads_weights,
                 is_block=self.blocks[segment.unit],
             )
-        ]
+            for k, run in enumerate(runs):
+                earlier = first_use.setdefault((segment.unit, k), len(schedule))
+                if self.zero_stage == 2 and chunks[segment.unit] and earlier != len(schedule):
+                    run = replace(run, shares_weights_with=earlier, gather_comm=0)
+                schedule.append(run)
+        return schedule
 
 
 def plan_layouts(
@@ -408,9 +419,7 @@ def _plan(
     # A unit with only frozen parameters has an empty trainable layout (padding only).
     layouts = [layout_of(spec.params, spec.owners) for spec in unit_specs]
     frozen_layouts = [frozen_layout_of(spec) for spec in unit_specs]
-    chunks, unchunked = _row_chunks(
-        unit_specs, layouts, frozen_layouts, enabled=vocab_chunks, zero_stage=zero_stage
-    )
+    chunks, unchunked = _row_chunks(unit_specs, layouts, frozen_layouts, enabled=vocab_chunks)
     reads = tuple(not all(type(m) is nn.Embedding for m in spec.modules) for spec in unit_specs)
     return ShardingPlan(
         units=[(spec.name, layout) for spec, layout in zip(unit_specs, layouts, strict=True)],
@@ -420,13 +429,14 @@ def _plan(
         chunks=chunks,
         segments=_segments(module, unit_specs, chunks, reads),
         unchunked=unchunked,
+        zero_stage=zero_stage,
         root=layout_of(root_spec.params, root_spec.owners) if root_spec.params else None,
         norms=layout_of(norm_spec.params, norm_spec.owners) if norm_spec.params else None,
         specs=(unit_specs, norm_spec, root_spec, frozen),
     )
 
 
-def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled, zero_stage):
+def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled: bool):
     """Per unit, its row chunks if it is a chunkable root unit larger than the largest
     block; and ``(name, reason)`` of each root unit that is larger but stays whole."""
     sizes = [
@@ -440,7 +450,7 @@ def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled, zer
             chunks.append(None)
             continue
         reason = (
-            chunk_refusal(spec.modules, spec.params, spec.frozen_params, zero_stage=zero_stage)
+            chunk_refusal(spec.modules, spec.params, spec.frozen_params)
             if enabled
             else "vocab_chunks is off"
         )

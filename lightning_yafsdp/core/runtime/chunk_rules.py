@@ -15,9 +15,7 @@ chunks]), so only modules whose forward is known exactly may be chunked:
 
 A unit of several such modules sharing one weight (a tied embedding and head) runs
 each use as chunks of its own ([Note: tied row chunks]). Frozen parameters (a
-frozen or LoRA-wrapped embedding or head) keep whole units, and so does a tied
-weight under ZeRO-2, where both uses would keep their gathered rows from forward
-to backward (the table twice).
+frozen or LoRA-wrapped embedding or head) keep whole units.
 """
 
 from __future__ import annotations
@@ -42,9 +40,7 @@ def is_embedding_use(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding)
 
 
-def chunk_refusal(
-    modules: list[nn.Module], params: list[nn.Parameter], frozen: list, *, zero_stage: int
-) -> str | None:
+def chunk_refusal(modules: list[nn.Module], params: list[nn.Parameter], frozen: list) -> str | None:
     """Why a root unit may not run in row chunks, in a few words (None: it may)."""
     if frozen:
         return "it holds frozen parameters (a frozen or LoRA-wrapped embedding/head)"
@@ -62,15 +58,13 @@ def chunk_refusal(
         [id(p) for p in m.parameters(recurse=False)] != [id(params[0])] for m in modules
     ):
         return "its modules share more than one weight (a tied head with a bias)"
-    if zero_stage == 2:
-        return "a tied weight under ZeRO-2 would keep its rows gathered once per use"
     return None
 
 
 def _module_refusal(module: nn.Module) -> str | None:
     kind = type(module).__name__
     if any(True for _ in module.children()):
-        return f"{kind} has submodules (a wrapper such as a LoRA layer)"
+        return f"{kind} has submodules (a container of the table, or a wrapper such as LoRA)"
     if type(module) is nn.Linear:
         return None
     if not isinstance(module, nn.Embedding):

@@ -15,8 +15,10 @@ where the two uses meet; so no vocabulary-sized gradient is alive through the
 backward (a whole tied unit holds one from the head's backward to the embedding's).
 The cost is traffic: the table's gradient is reduced twice per backward (once
 per use) instead of once, +1 x vocab x dim x reduce-dtype bytes per rank per
-micro-batch; gathers stay as for a whole tied unit (the embedding's rows are never
-re-gathered for backward, the head's are, but its last two chunks).
+micro-batch. Gathers: ZeRO-3 gathers the rows once per use in forward and the
+head's again for backward (but its last two chunks; the embedding's backward reads no
+weights); ZeRO-2, which keeps gathered rows until backward, gives a head chunk the
+slot of its embedding chunk: the rows are gathered once per step and held once.
 """
 
 from __future__ import annotations
@@ -223,6 +225,25 @@ class RowChunkUnit(ShardedUnit):
     @property
     def param_group(self) -> FlatParamGroup:
         return self.parent
+
+    def _holds_weights(self, buffer) -> bool:
+        """Also when the buffer holds the same rows for another use of the same weight
+        (ZeRO-2 tied: the head's chunk reads its embedding chunk's slot, [Note: tied row
+        chunks]); this chunk then becomes the holder, so the buffer is in use while it
+        computes."""
+        if super()._holds_weights(buffer):
+            return True
+        holder = buffer.holder
+        twin = (
+            isinstance(holder, RowChunkUnit)
+            and holder.parent is self.parent
+            and holder.chunk is self.chunk
+            and buffer.version == self.engine.compute_version
+            and not holder.is_computing
+        )
+        if twin:
+            buffer.holder = self
+        return twin
 
     def end_iteration(self) -> None:
         super().end_iteration()
