@@ -259,13 +259,10 @@ def group_sizes(
         zero_stage=zero_stage,
     )
     if notes is not None:
-        largest = max((layout.padded_numel for (_, layout), block in zip(
-            plan.units, plan.blocks, strict=True) if block), default=1)  # fmt: skip
-        sizes = dict(plan.units)
         notes += [
-            f"not in row chunks: '{name}' ({sizes[name].numel / largest:.1f}x a block): "
-            f"{reason}; its buffer slots are its size"
-            for name, reason in plan.unchunked
+            f"not in row chunks: '{name}' ({blocks:.1f}x a block): {reason}; its buffer "
+            "slots are its size"
+            for name, reason, blocks in plan.unchunked
         ]
 
     def size(name, layout, *, is_block=False, frozen=None, reads=True) -> GroupSize:

@@ -327,8 +327,8 @@ class ShardingPlan:
             chunks]), else None.
         segments: the runs of the schedule, in order: every unit once, a chunked
             unit of several modules once per module ([Note: tied row chunks]).
-        unchunked: ``(name, reason)`` of every root unit larger than the largest block
-            that keeps a whole unit ([Note: chunkable modules]).
+        unchunked: ``(name, reason, size in largest blocks)`` of every root unit larger
+            than the largest block that keeps a whole unit ([Note: chunkable modules]).
         root: layout of the resident root remainder (parameters outside units and
             norms that stay resident), or None.
         norms: layout of the norm group.
@@ -342,7 +342,7 @@ class ShardingPlan:
     norms: FlatLayout | None
     chunks: tuple[tuple[RowChunk, ...] | None, ...] = ()
     segments: tuple[Segment, ...] = ()
-    unchunked: tuple[tuple[str, str], ...] = ()
+    unchunked: tuple[tuple[str, str, float], ...] = ()
     zero_stage: int = 3
     specs: tuple = field(default=(), repr=False, compare=False)
 
@@ -438,7 +438,8 @@ def _plan(
 
 def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled: bool):
     """Per unit, its row chunks if it is a chunkable root unit larger than the largest
-    block; and ``(name, reason)`` of each root unit that is larger but stays whole."""
+    block; and ``(name, reason, size / largest block)`` of each larger one that stays whole
+    (sizes count frozen parameters: they fill the weight slots too)."""
     sizes = [
         layout.padded_numel + (frozen.padded_numel if frozen is not None else 0)
         for layout, frozen in zip(layouts, frozen_layouts, strict=True)
@@ -459,7 +460,7 @@ def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled: boo
             reason = "it has a single row"
         chunks.append(rows)
         if reason is not None:
-            unchunked.append((spec.name, reason))
+            unchunked.append((spec.name, reason, size / largest))
     return tuple(chunks), tuple(unchunked)
 
 
