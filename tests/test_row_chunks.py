@@ -104,12 +104,16 @@ _EMBEDDINGS = {"scaled": ScaledWordEmbedding, "shifted": ShiftedWordEmbedding}
 
 def _model(options) -> TinyLM:
     torch.manual_seed(0)
-    return TinyLM(
+    model = TinyLM(
         head_bias=options["head_bias"],
         padding_idx=options["padding_idx"],
         tied=options.get("tied", False),
         embedding=_EMBEDDINGS.get(options.get("embedding"), nn.Embedding),
     )
+    if options.get("frozen"):  # as a LoRA base's: the embedding and head get no grads
+        for module in (model.embed, model.head):
+            module.requires_grad_(False)
+    return model
 
 
 def _sharded_run(options, steps, micro):
@@ -133,13 +137,25 @@ def _sharded_run(options, steps, micro):
         clip=options.get("clip"),
     )
     names = [u.name for u in engine.units]
-    report = engine.memory_report()
+    report = engine.memory_report(), _estimated_report(options, world_size)
     # Losses are per rank's half batch: all-gather them to compare with the reference.
     gathered = [torch.zeros(len(losses)) for _ in range(world_size)]
     dist.all_gather(gathered, torch.stack(losses))
     full = engine.full_state_dict()
     slots = [b.tensor.numel() for b in engine.weight_buffers]
     return torch.stack(gathered).mean(0), full, names, report, slots
+
+
+def _estimated_report(options, world_size: int) -> dict:
+    """What ``yafsdp estimate`` predicts for this model and these options."""
+    from lightning_yafsdp.config import load_config
+    from lightning_yafsdp.estimate import estimate
+
+    overrides = ["trainer.precision=32-true", f"strategy.zero_stage={options.get('zero_stage', 3)}"]
+    if options.get("shard_size"):
+        overrides.append(f"strategy.shard_size={options['shard_size']}")
+    config = load_config(None, overrides)
+    return estimate(config, world_size=world_size, model=_model(options)).engine_report()
 
 
 def _reference(options, steps, micro, world_size):
@@ -181,6 +197,11 @@ CASES = [
     # and the whole run agree exactly (0.0), so it is the order of the row-gradient sums.
     (2, dict(head_bias=True, padding_idx=None, zero_stage=2, embedding="scaled", rtol=3e-5)),
     (3, dict(head_bias=False, padding_idx=None, zero_stage=2)),
+    # A frozen embedding and head (a LoRA base's): chunks of the frozen rows, no grads.
+    (2, dict(head_bias=True, padding_idx=3, frozen=True)),
+    (3, dict(head_bias=False, padding_idx=None, frozen=True, tied=True)),
+    (4, dict(head_bias=False, padding_idx=None, frozen=True, shard_size=2)),
+    (2, dict(head_bias=False, padding_idx=None, frozen=True, tied=True, zero_stage=2)),
     # ZeRO-2, tied: the head's chunks read their embedding chunks' slots.
     (2, dict(head_bias=False, padding_idx=None, zero_stage=2, tied=True)),
     (3, dict(head_bias=False, padding_idx=5, zero_stage=2, tied=True, embedding="scaled")),
@@ -196,7 +217,12 @@ def _case_id(case) -> str:
 def test_chunked_vocabulary_matches_the_reference(world_size, options):
     steps, micro = 3, 2 if world_size == 2 else 1
     results = dist_run(world_size, _sharded_run, options, steps, micro, timeout_s=300)
-    losses, full, names, _, slots = results[0]
+    losses, full, names, (report, estimated), slots = results[0]
+    # The estimate is the engine's memory, to the byte (the grad window is freed by the
+    # last zero_grad: the estimate counts it as held through the step).
+    assert report.pop("grad_shards") == 0
+    assert estimated.pop("grad_shards") == estimated["master_shards"]
+    assert report == estimated
     expected_losses, expected = _reference(options, steps, micro, world_size)
     assert any("embed[" in n for n in names) and any("head[" in n for n in names), names
     if options.get("tied"):  # the head's chunks run last, after every block
@@ -307,7 +333,9 @@ def test_chunk_refusals_say_why():
     plain = nn.Embedding(10, 4)
     assert refusal([plain]) is None
     assert refusal([ScaledWordEmbedding(10, 4)]) is None
-    assert "frozen" in refusal([plain], frozen=[plain.weight])
+    assert refusal([plain], [], frozen=[plain.weight]) is None
+    biased = nn.Linear(4, 10)
+    assert "mixes frozen" in refusal([biased], [biased.weight], frozen=[biased.bias])
     assert "forward of its own" in refusal([ShiftedWordEmbedding(10, 4)])
     assert "max_norm" in refusal([nn.Embedding(10, 4, max_norm=1.0)])
     wrapper = nn.Sequential(nn.Linear(4, 10))

@@ -91,6 +91,21 @@ def scheduled_units(
             )
         ]
     ranks = range(layout.world_size)
+    if not layout.spans:  # frozen rows after an empty trainable part: no grads, no reduce
+        return [
+            ScheduledUnit(
+                1 + chunk.layout.padded_numel,
+                1,
+                0,
+                0,
+                chunk.comm_numel,
+                0,
+                0,
+                reads_weights,
+                is_block,
+            )  # fmt: skip
+            for chunk in chunks
+        ]
     return [
         ScheduledUnit(
             chunk.layout.padded_numel,

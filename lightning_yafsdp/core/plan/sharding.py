@@ -269,9 +269,6 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
     for (spec, layout, frozen_layout), chunks in zip(flat_units, plan.chunks, strict=True):
         kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
         offset += layout.shard_numel
-        if chunks is not None:  # [Note: row chunks]
-            groups.append(ChunkedParams(spec.modules, chunks, **kwargs))
-            continue
         if frozen_layout is not None:
             end = frozen_offset + frozen_layout.shard_numel
             kwargs.update(
@@ -280,7 +277,8 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
                 frozen_shard=engine.frozen_store[frozen_offset:end],
             )
             frozen_offset = end
-        groups.append(kwargs)
+        # [Note: row chunks]
+        groups.append(ChunkedParams(spec.modules, chunks, **kwargs) if chunks else kwargs)
     names = {id(m): name for name, m in engine.root.named_modules()}
     units = []
     for segment in plan.segments:
@@ -446,7 +444,7 @@ def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled: boo
     ]
     largest = max((n for n, spec in zip(sizes, specs, strict=True) if spec.is_block), default=0)
     chunks, unchunked = [], []
-    for spec, layout, size in zip(specs, layouts, sizes, strict=True):
+    for spec, layout, frozen, size in zip(specs, layouts, frozen_layouts, sizes, strict=True):
         if spec.is_block or not largest or size <= largest:
             chunks.append(None)
             continue
@@ -455,7 +453,10 @@ def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled: boo
             if enabled
             else "vocab_chunks is off"
         )
-        rows = split_rows(layout, largest) if reason is None else None
+        # A frozen module's rows are those of its frozen layout, after a one-element
+        # trainable part ([Note: frozen shards]).
+        split, bound = (layout, largest) if spec.params else (frozen, largest - 1)
+        rows = split_rows(split, bound) if reason is None else None
         if reason is None and rows is None:
             reason = "it has a single row"
         chunks.append(rows)

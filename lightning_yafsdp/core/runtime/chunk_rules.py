@@ -14,8 +14,10 @@ chunks]), so only modules whose forward is known exactly may be chunked:
   whose source cannot be read, keeps its whole unit.
 
 A unit of several such modules sharing one weight (a tied embedding and head) runs
-each use as chunks of its own ([Note: tied row chunks]). Frozen parameters (a
-frozen or LoRA-wrapped embedding or head) keep whole units.
+each use as chunks of its own ([Note: tied row chunks]). A module whose parameters are
+all frozen (a LoRA base's embedding and head) runs in chunks of its frozen rows, which
+get no grads; a LoRA-wrapped module (it has submodules) or one mixing frozen and
+trainable parameters keeps a whole unit.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ def is_embedding_use(module: nn.Module) -> bool:
 
 def chunk_refusal(modules: list[nn.Module], params: list[nn.Parameter], frozen: list) -> str | None:
     """Why a root unit may not run in row chunks, in a few words (None: it may)."""
-    if frozen:
-        return "it holds frozen parameters (a frozen or LoRA-wrapped embedding/head)"
+    if frozen and params:
+        return "it mixes frozen and trainable parameters"
+    params = params or frozen  # every parameter frozen: a LoRA base's embedding or head
     for module in modules:
         reason = _module_refusal(module)
         if reason is not None:

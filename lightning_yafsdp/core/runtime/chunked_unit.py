@@ -38,6 +38,7 @@ from lightning_yafsdp.core.comm.collectives import (
 )
 from lightning_yafsdp.core.runtime.chunk_rules import embedding_post_op, is_embedding_use
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner
+from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
@@ -97,6 +98,9 @@ class ChunkedParams(FlatParamGroup):
         super().__init__(**group_kwargs)
         self.modules = modules
         self.row_chunks = row_chunks
+        # Every parameter frozen (a LoRA base's embedding or head): the chunks are rows of
+        # the frozen layout, gathered from the frozen store ([Note: frozen shards]).
+        self.frozen_rows = not self.layout.spans
         self.chunks: list[RowChunkUnit] = []
         self._hooks: list = []
 
@@ -148,6 +152,8 @@ class ChunkedParams(FlatParamGroup):
 
     def grad_ranges(self, rank: int) -> list[tuple[int, int]]:
         """This rank's grad range, split at every chunk part it owns (the rest: gaps)."""
+        if self.frozen_rows:
+            return [self.grad_range]
         base, end = self.grad_range
         parts = sorted(
             (base + t.shard_offset, base + t.shard_offset + t.numel)
@@ -199,28 +205,38 @@ class RowChunkUnit(ShardedUnit):
             module: nn.Module = _EmbeddingRows(source, chunk.start, chunk.end)
         else:
             module = _LinearRows(source.bias is not None)
-        attrs = [owners[0].attr for owners in parent.owners]
+        frozen = parent.frozen_rows
+        spans = parent.frozen_layout.spans if frozen else parent.layout.spans
+        attrs = [owners[0].attr for owners in (parent.frozen_owners if frozen else parent.owners)]
         owners = [
-            [ParamOwner(module, attr, span.name)]
-            for attr, span in zip(attrs, parent.layout.spans, strict=True)
+            [ParamOwner(module, attr, span.name)] for attr, span in zip(attrs, spans, strict=True)
         ]
+        # [Note: frozen shards] Frozen rows follow an empty trainable part in the buffer.
+        rows = dict(layout=chunk.layout, owners=owners)
+        if frozen:
+            rows = dict(
+                layout=FlatLayout([], [], world_size=1), owners=[], frozen_layout=chunk.layout,
+                frozen_owners=owners, frozen_shard=parent.frozen_shard,
+            )  # fmt: skip
         super().__init__(
             engine,
             index,
             [module],
             is_block=False,
             name=f"{use_name}[{chunk.start}:{chunk.end}]",
-            layout=chunk.layout,
-            owners=owners,
             master_shard=parent.master_shard,
             compute_shard=parent.compute_shard,
             grad_range=parent.grad_range,
+            **rows,
         )
         self.parent, self.chunk = parent, chunk
-        self.sharded_params = parent.sharded_params  # one list: filled when params are made
+        # One list each with the parent's: filled when the parameters are made.
+        self.sharded_params, self.frozen_params = parent.sharded_params, parent.frozen_params
         # [Note: weightless backward] an embedding's rows are not read by its backward.
         self.backward_reads_weights = not is_embedding_use(source)
-        self._owned = chunk.owned_by(engine.shard_rank)
+        # Frozen rows get no grads: nothing to reduce, nothing owned.
+        self._reduced_parts = () if frozen else chunk.transfers
+        self._owned = [] if frozen else chunk.owned_by(engine.shard_rank)
 
     @property
     def param_group(self) -> FlatParamGroup:
@@ -263,6 +279,8 @@ class RowChunkUnit(ShardedUnit):
         # Mixed precision: the owner's part is cast as it is copied in ([Note: cast on gather]).
         source = self.compute_shard if self.compute_shard is not None else self.master_shard
         out, me = buffer.tensor.data, engine.shard_rank
+        if self.parent.frozen_rows:  # after the (empty) trainable part, from the frozen store
+            source, out = self.frozen_shard, out[self.layout.padded_numel :]
 
         def launch(async_op: bool):
             works = []
@@ -304,7 +322,7 @@ class RowChunkUnit(ShardedUnit):
                     async_op=async_op,
                     stats=engine.comm_stats,
                 )
-                for part in self.chunk.transfers
+                for part in self._reduced_parts
             ]
             if async_op:
                 return WorkList(works, then=copy_out)
