@@ -159,8 +159,8 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             128k-256k vocabulary) in row chunks of at most one block each, so the two
             buffer slots are block-sized: ZeRO-3 and ZeRO-2, flat and hybrid sharding,
             plain ``nn.Embedding`` / ``nn.Linear`` and scaled embedding subclasses, tied
-            or not (frozen or LoRA-wrapped ones stay whole: ``yafsdp estimate`` names
-            them). Default True; False keeps them whole
+            or not, frozen or not (a LoRA-wrapped one stays whole: ``yafsdp estimate``
+            names what does). Default True; False keeps them whole
             units, each gathered at once (docs/design.md, Row chunks).
 
     Raises:
