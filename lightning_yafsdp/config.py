@@ -340,8 +340,9 @@ class StrategyConfig:
         verify_checksums: Compare a resumed checkpoint's files with the CRC-32s recorded
             at save before loading it (default true; ``strategy.verify_checksums=false``
             on the command line skips it, e.g. for a checkpoint edited on purpose).
-        vocab_chunks: Run an embedding or head larger than a block in row chunks of at
-            most a block each (ZeRO-3, flat sharding), so no buffer is vocabulary-sized.
+        vocab_chunks: Run an embedding or head larger than a block (tied or not) in row
+            chunks of at most a block each, so no buffer is vocabulary-sized; what stays
+            whole is named by ``yafsdp estimate``.
     """
 
     name: str = "yafsdp"

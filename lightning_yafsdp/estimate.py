@@ -32,7 +32,11 @@ Hybrid sharding ([Note: hybrid sharding], shard groups of K ranks): every layout
 is the layout of a K-rank world (memory per rank as with K ranks), the all_gathers and
 reduce_scatters run in the shard group, and
   replicate_all_reduce = every group's reduced shard (shard numel x R), once per backward,
-                    across the replicate group.
+                    across the replicate group (a row chunk: the parts shard rank 0 owns,
+                    once per use; ranks differ only by the padding they own).
+Row chunks ([Note: row chunks]): the schedule lists each chunk of each use (a tied
+weight: the embedding's and the head's), each gathered and reduced like a unit of its
+rows; a tied weight's gradient is therefore reduced once per use.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from torch import nn
 
 from lightning_yafsdp.config import ConfigError, RunConfig
 from lightning_yafsdp.core.comm.mesh import default_shard_size
-from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes, chunks_vocabulary
+from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes
 from lightning_yafsdp.core.plan.sharding import NORM_GROUP, ROOT_GROUP, plan_layouts
 from lightning_yafsdp.dtype_policy import DtypePolicy
 
@@ -230,13 +234,21 @@ def fit_verdict(est: Estimate, device_bytes: int, *, given: str) -> tuple[bool, 
 
 
 def group_sizes(
-    model: nn.Module, world_size: int, *, units=None, norm_classes=None, vocab_chunks=False
+    model: nn.Module,
+    world_size: int,
+    *,
+    units=None,
+    norm_classes=None,
+    vocab_chunks=False,
+    zero_stage: int = 3,
+    notes: list[str] | None = None,
 ) -> tuple[list[GroupSize], list[GroupSize], list[ScheduledUnit]]:
     """The engine's flat groups of ``model`` (meta device is fine): units, residents, schedule.
 
     Units are the blocks and the root units in module order; residents are listed
     as the engine builds them: the resident root remainder, then norms. The schedule
-    lists each unit, or each of its row chunks ([Note: row chunks]).
+    lists each unit, or each of its row chunks ([Note: row chunks]). A root unit
+    larger than a block that is not chunked is named in ``notes``, with the reason.
     """
     plan = plan_layouts(
         model,
@@ -244,7 +256,14 @@ def group_sizes(
         units=units,
         norm_classes=norm_classes,
         vocab_chunks=vocab_chunks,
+        zero_stage=zero_stage,
     )
+    if notes is not None:
+        notes += [
+            f"not in row chunks: '{name}' ({blocks:.1f}x a block): {reason}; its buffer "
+            "slots are its size"
+            for name, reason, blocks in plan.unchunked
+        ]
 
     def size(name, layout, *, is_block=False, frozen=None, reads=True) -> GroupSize:
         return GroupSize(
@@ -301,13 +320,12 @@ def estimate(
     policy = DtypePolicy.from_flag(config.trainer.precision)
     master_dtype, param_dtype = policy.master_dtype, policy.param_dtype
     reduce_dtype = getattr(torch, config.strategy.reduce_dtype)
-    # As shard_model decides: ZeRO-3 with flat sharding runs vocabulary-sized modules in chunks.
-    strategy = config.strategy
-    hybrid = shard_size < world_size
-    chunked = chunks_vocabulary(
-        strategy.vocab_chunks, zero_stage=strategy.zero_stage, hybrid=hybrid
-    )
-    units, residents, schedule = group_sizes(model, shard_size, vocab_chunks=chunked)
+    # As shard_model decides which vocabulary-sized modules run in chunks.
+    strategy, notes = config.strategy, []
+    units, residents, schedule = group_sizes(
+        model, shard_size, vocab_chunks=strategy.vocab_chunks, zero_stage=strategy.zero_stage,
+        notes=notes,
+    )  # fmt: skip
     p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))
     est = Estimate(
         world_size=world_size,
@@ -322,6 +340,7 @@ def estimate(
         residents=residents,
         schedule=schedule,
         micro_batches=config.trainer.accumulate_grad_batches,
+        notes=notes,
     )
     _state_bytes(est, config.strategy.zero_stage)
     _traffic_bytes(est, config.strategy.zero_stage)
@@ -366,10 +385,10 @@ def _traffic_bytes(est: Estimate, zero_stage: int) -> None:
     ) * r
     if est.world_size > 1:  # which parameters got a grad anywhere: one byte each, per backward
         est.all_reduce_per_micro_batch = sum(g.num_params for g in (*units, *residents))
-    if est.is_hybrid:  # each reduced shard, across the replicas
+    if est.is_hybrid:  # each reduced shard (a row chunk: the owned parts), across the replicas
         est.replicate_all_reduce_per_micro_batch = (
-            sum(g.shard_numel for g in (*units, *residents)) * r
-        )
+            sum(u.replicated for u in schedule) + sum(g.shard_numel for g in residents)
+        ) * r
 
 
 def checkpointed_units(est: Estimate, config: RunConfig) -> int:

@@ -158,8 +158,10 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             ``mesh_dim_names=("replicate", "shard")`` (or a 1-D one: flat).
         vocab_chunks: Run a token embedding or output head larger than a block (every
             128k-256k vocabulary) in row chunks of at most one block each, so the two
-            buffer slots are block-sized (ZeRO-3 with flat sharding; plain
-            ``nn.Embedding`` / ``nn.Linear`` only). Default True; False keeps them whole
+            buffer slots are block-sized: ZeRO-3 and ZeRO-2, flat and hybrid sharding,
+            plain ``nn.Embedding`` / ``nn.Linear`` and scaled embedding subclasses, tied
+            or not, frozen or not (a LoRA-wrapped one stays whole: ``yafsdp estimate``
+            names what does). Default True; False keeps them whole
             units, each gathered at once (docs/design.md, Row chunks).
 
     Raises:

@@ -54,6 +54,7 @@ def _engine_facts(overrides: tuple[str, ...]) -> dict:
 # A vocabulary of 3001 makes the embedding and the head 2.5 blocks each: they run in row
 # chunks ([Note: row chunks]) whose parts straddle the ranks' shards unevenly.
 _CHUNKED = "model.vocab_size=3001"
+_TIED = "model.tie_embeddings=true"  # [Note: tied row chunks]
 _CASES = {
     1: [("trainer.precision=32-true",)],
     2: [
@@ -63,12 +64,20 @@ _CASES = {
         ("trainer.precision=32-true", _CHUNKED),
         ("trainer.precision=bf16-mixed", _CHUNKED),
         ("trainer.precision=32-true", _CHUNKED, "strategy.vocab_chunks=false"),
+        ("trainer.precision=32-true", _CHUNKED, _TIED),
+        ("trainer.precision=32-true", _CHUNKED, "strategy.zero_stage=2"),
+        ("trainer.precision=bf16-mixed", _CHUNKED, _TIED, "strategy.zero_stage=2"),
     ],
-    3: [("trainer.precision=bf16-mixed", _CHUNKED)],
+    3: [
+        ("trainer.precision=bf16-mixed", _CHUNKED),
+        ("trainer.precision=bf16-mixed", _CHUNKED, _TIED),
+    ],
     # Hybrid sharding: 2 replicas x 2 sharded ranks.
     4: [
         ("trainer.precision=32-true", "strategy.shard_size=2"),
         ("trainer.precision=bf16-mixed", "strategy.reduce_dtype=bfloat16", "strategy.shard_size=2"),
+        ("trainer.precision=32-true", _CHUNKED, "strategy.shard_size=2"),
+        ("trainer.precision=bf16-mixed", _CHUNKED, _TIED, "strategy.shard_size=2"),
     ],
 }
 
@@ -106,6 +115,18 @@ def test_row_chunks_make_the_buffer_slots_block_sized(runs: dict) -> None:
     assert chunked["weight_buffers"] == plain["weight_buffers"]
     assert whole["engine"]["weight_buffers"] > 3 * chunked["weight_buffers"]
     assert chunked["master_shards"] == whole["engine"]["master_shards"]
+
+
+def test_tied_zero2_and_hybrid_row_chunks_keep_the_slots_block_sized(runs: dict) -> None:
+    plain = runs[(2, ("trainer.precision=32-true",))]["engine"]
+    tied = runs[(2, ("trainer.precision=32-true", _CHUNKED, _TIED))]["engine"]
+    hybrid = runs[(4, ("trainer.precision=32-true", _CHUNKED, "strategy.shard_size=2"))]["engine"]
+    flat = runs[(2, ("trainer.precision=32-true", _CHUNKED))]["engine"]
+    assert tied["weight_buffers"] == plain["weight_buffers"]
+    assert tied["grad_buffers"] < 1.5 * plain["grad_buffers"]
+    assert hybrid == flat  # a 2-rank shard group holds what a 2-rank world holds
+    zero2 = runs[(2, ("trainer.precision=32-true", _CHUNKED, "strategy.zero_stage=2"))]["engine"]
+    assert zero2["grad_buffers"] < 1.5 * plain["grad_buffers"]
 
 
 def test_hybrid_sharding_sends_in_each_group_what_the_formula_says(runs: dict) -> None:
@@ -214,6 +235,51 @@ def test_persistent_memory_of_llama3_8b_at_64_ranks_is_the_yafsdp_floor() -> Non
     assert est.weight_buffers == 2 * 2 * max(g.padded_numel for g in est.units if g.is_block)
 
 
+_GEMMA2_9B_TIED = [
+    "model.vocab_size=256000", "model.dim=3584", "model.n_layers=42", _TIED,
+]  # fmt: skip
+
+
+def test_a_tied_256k_vocabulary_at_64_ranks_is_at_the_floor() -> None:
+    # Gemma-2-9B's shape, tied as Gemma ties: 8.91 GB per rank as one whole tied unit
+    # (2.02x the floor: vocabulary-sized slots), 4.55 GB with each use in row chunks
+    # ([Note: tied row chunks]).
+    est = _floor_estimate("llama3-8b", 64, options=_GEMMA2_9B_TIED)
+    assert est.states / _yafsdp_floor(est) < 1.04
+    whole = _floor_estimate(
+        "llama3-8b", 64, options=[*_GEMMA2_9B_TIED, "strategy.vocab_chunks=false"]
+    )
+    assert whole.states / _yafsdp_floor(whole) > 1.9
+    assert any("not in row chunks" in note and "vocab_chunks" in note for note in whole.notes)
+    assert not any("not in row chunks" in note for note in est.notes)
+
+
+def test_hybrid_llama3_8b_8x8_is_at_the_floor_of_its_shard_group() -> None:
+    # 8 replicas x 8 sharded ranks: floor = 16 B x params / 8 + the four block buffers.
+    # 23.15 GB with vocabulary-sized slots (1.24x), 19.31 GB in row chunks (1.034x).
+    est = _floor_estimate("llama3-8b", 64, options=["strategy.shard_size=8", "trainer.num_nodes=8"])
+    block = max(g.padded_numel for g in est.units if g.is_block)
+    floor = 16 * est.num_parameters / 8 + 2 * block * 2 + 2 * block * 4
+    assert est.states / floor < 1.04
+
+
+def test_a_tied_weight_under_zero2_is_gathered_and_held_once() -> None:
+    # ZeRO-2 keeps every unit's gathered weights: the head's chunks read the embedding
+    # chunks' slots ([Note: tied row chunks]), so the weight slots hold the model once,
+    # and the grad slots are block-sized.
+    zero2 = [*_GEMMA2_9B_TIED, "strategy.zero_stage=2"]
+    est = _floor_estimate("llama3-8b", 8, options=zero2)
+    assert not est.notes, est.notes
+    model_numel = sum(g.padded_numel for g in est.units)
+    assert est.weight_buffers == 2 * model_numel  # bf16, every unit's slot once
+    # Grad slots: 2 x a block (1.49 GB) + 2 reduce outputs, each the largest part of a
+    # chunk one rank owns (at 8 ranks a whole shard of the table: 0.92 GB); whole units:
+    # a vocabulary-sized slot (4.97 GB in all).
+    whole = _floor_estimate("llama3-8b", 8, options=[*zero2, "strategy.vocab_chunks=false"])
+    assert whole.grad_buffers > 2 * est.grad_buffers
+    assert any("not in row chunks" in n and "vocab_chunks" in n for n in whole.notes)
+
+
 def test_lora_on_a_frozen_70b_base_keeps_no_state_for_the_base() -> None:
     peft = pytest.importorskip("peft")
     from lightning_yafsdp.training.models import build_model
@@ -227,6 +293,10 @@ def test_lora_on_a_frozen_70b_base_keeps_no_state_for_the_base() -> None:
     frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trainable = est.num_parameters - frozen
     assert frozen / est.num_parameters > 0.99
+    # The frozen embedding and head (1.2x a block each) run in chunks of frozen rows.
+    assert not any("not in row chunks" in n for n in est.notes), est.notes
+    block = max(g.padded_numel + g.frozen_padded_numel for g in est.units if g.is_block)
+    assert est.weight_buffers == 2 * 2 * block
     # The frozen base: 2 bf16 bytes per element, sharded over 8 ranks (17.6 GB); no grad
     # shard, no optimizer state, no grad buffer for it.
     assert abs(est.frozen_shards - 2 * frozen / 8) / est.frozen_shards < 0.01

@@ -1,9 +1,11 @@
 """The units of the schedule and the buffer slots they need, from a plan's layouts.
 
 A unit of the plan is one unit of the schedule, except a vocabulary-sized
-embedding or head, which is one per row chunk ([Note: row chunks]). Both the
-engine (what it allocates) and ``yafsdp estimate`` (what it predicts) size the
-buffers from this list, so the two agree to the byte.
+embedding or head, which is one per row chunk ([Note: row chunks]), and a tied
+embedding and head, which is one per row chunk of each use, the uses at their
+modules' places ([Note: tied row chunks]). Both the engine (what it allocates) and
+``yafsdp estimate`` (what it predicts) size the buffers from this list, so the two
+agree to the byte.
 """
 
 from __future__ import annotations
@@ -14,10 +16,21 @@ from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 
 
-def chunks_vocabulary(enabled: bool, *, zero_stage: int, hybrid: bool) -> bool:
-    """Whether vocabulary-sized modules run in row chunks ([Note: row chunks]): asked
-    for, ZeRO-3 (ZeRO-2 keeps one buffer per unit anyway) and flat sharding."""
-    return enabled and zero_stage == 3 and not hybrid
+@dataclass(frozen=True)
+class Segment:
+    """One run of the schedule: a unit of the plan, or one use of a chunked one.
+
+    Attributes:
+        unit: the unit's index in the plan.
+        use: which of the unit's modules this run computes (a chunked unit of several
+            modules, a tied embedding and head, runs once per module); 0 otherwise.
+        reads_weights: whether its backward reads its weights ([Note: weightless
+            backward]).
+    """
+
+    unit: int
+    use: int
+    reads_weights: bool
 
 
 @dataclass(frozen=True)
@@ -31,8 +44,13 @@ class ScheduledUnit:
         staged: its shard cast before the gather under mixed precision (row chunks
             cast as they copy: 0).
         gather_comm / reduce_comm: elements its gather / reduce count in ``CommStats``.
+        replicated: elements its hybrid-sharding all_reduce across the replicas sends
+            on shard rank 0 (a row chunk: the parts rank 0 owns; ranks differ by padding).
         reads_weights: whether its backward reads its weights (re-gathered, ZeRO-3).
         is_block: a block of the policy (False: a root unit or a chunk of one).
+        shares_weights_with: ZeRO-2, a tied weight's head chunk: the schedule index of the
+            embedding chunk of the same rows, whose weight slot (and gathered rows) it
+            uses, so it gathers nothing ([Note: tied row chunks]); else None.
     """
 
     gathered: int
@@ -41,8 +59,10 @@ class ScheduledUnit:
     staged: int
     gather_comm: int
     reduce_comm: int
+    replicated: int
     reads_weights: bool
     is_block: bool
+    shares_weights_with: int | None = None
 
 
 def scheduled_units(
@@ -65,11 +85,27 @@ def scheduled_units(
                 layout.shard_numel,
                 gathered,
                 layout.padded_numel,
+                layout.shard_numel,
                 reads_weights,
                 is_block,
             )
         ]
     ranks = range(layout.world_size)
+    if not layout.spans:  # frozen rows after an empty trainable part: no grads, no reduce
+        return [
+            ScheduledUnit(
+                1 + chunk.layout.padded_numel,
+                1,
+                0,
+                0,
+                chunk.comm_numel,
+                0,
+                0,
+                reads_weights,
+                is_block,
+            )  # fmt: skip
+            for chunk in chunks
+        ]
     return [
         ScheduledUnit(
             chunk.layout.padded_numel,
@@ -78,6 +114,7 @@ def scheduled_units(
             0,
             chunk.comm_numel,
             chunk.comm_numel,
+            chunk.owned_numel(0),
             reads_weights,
             is_block,
         )
@@ -89,12 +126,14 @@ def scheduled_units(
 class BufferSizes:
     """Element counts of the engine's buffers, per slot.
 
-    Unit ``i`` of the schedule uses weight slot ``i % len(weights)`` and grad slot
-    ``i % 2``; each slot is sized to the largest unit using it, not to the largest
+    Unit ``i`` of the schedule uses weight slot ``weight_slots[i]`` (ZeRO-3: ``i % 2``;
+    ZeRO-2: one per unit, but a unit sharing another's weights uses that unit's) and grad
+    slot ``i % 2``; each slot is sized to the largest unit using it, not to the largest
     unit overall (ZeRO-2's per-unit buffers are each their own unit's size).
     """
 
     weights: list[int]
+    weight_slots: list[int]
     grads: list[int]
     grad_shards: list[int]
     staging: list[int]
@@ -106,9 +145,22 @@ def buffer_sizes(schedule: list[ScheduledUnit], zero_stage: int) -> BufferSizes:
     def per_slot(sizes: list[int], slots: int) -> list[int]:
         return [max(sizes[k::slots], default=0) for k in range(slots)]
 
-    weight_slots = 2 if zero_stage == 3 else max(len(schedule), 1)
+    if zero_stage == 3:
+        slot_of, count = [i % 2 for i in range(len(schedule))], 2
+    else:
+        slot_of, count = [], 0
+        for unit in schedule:
+            if unit.shares_weights_with is not None:
+                slot_of.append(slot_of[unit.shares_weights_with])
+            else:
+                slot_of.append(count)
+                count += 1
+    weights = [0] * max(count, 1)
+    for unit, slot in zip(schedule, slot_of, strict=True):
+        weights[slot] = max(weights[slot], unit.gathered)
     return BufferSizes(
-        per_slot([u.gathered for u in schedule], weight_slots),
+        weights,
+        slot_of,
         per_slot([u.grads for u in schedule], 2),
         per_slot([u.reduced for u in schedule], 2),
         per_slot([u.staged for u in schedule], 2),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -34,11 +34,12 @@ from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, i
 from lightning_yafsdp.core.plan.root_units import split_root
 from lightning_yafsdp.core.plan.schedule import (
     ScheduledUnit,
+    Segment,
     buffer_sizes,
-    chunks_vocabulary,
     scheduled_units,
 )
-from lightning_yafsdp.core.runtime.chunked_unit import ChunkedParams, RowChunkUnit, can_chunk
+from lightning_yafsdp.core.runtime.chunk_rules import chunk_refusal, is_embedding_use
+from lightning_yafsdp.core.runtime.chunked_unit import ChunkedParams, RowChunkUnit
 from lightning_yafsdp.core.runtime.engine import EngineMasters, YaFSDPEngine
 from lightning_yafsdp.core.runtime.flat_group import ParamOwner
 from lightning_yafsdp.core.runtime.layout import FlatLayout
@@ -126,7 +127,8 @@ def shard_model(
             strategies pass. None: torch's convention only.
         vocab_chunks: run an embedding or head larger than a block in row chunks of
             at most a block each, so no buffer slot is vocabulary-sized ([Note: row
-            chunks]). ZeRO-3 with flat sharding only (elsewhere it is ignored).
+            chunks]); a tied embedding and head too ([Note: tied row chunks]). Which
+            modules qualify: [Note: chunkable modules].
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -141,9 +143,10 @@ def shard_model(
     # 1. Plan: which parameter joins which group, and every layout. Layouts split each
     # group over the shard group: a shard group of K ranks is sharded exactly as a flat
     # world of K ranks ([Note: hybrid sharding]).
-    hybrid = mesh.replicate_group is not None
-    chunked = chunks_vocabulary(vocab_chunks, zero_stage=zero_stage, hybrid=hybrid)
-    plan = _plan(module, find_units(module, units), norm_classes, mesh.shard_size, chunked)
+    plan = _plan(
+        module, find_units(module, units), norm_classes, mesh.shard_size,
+        vocab_chunks=vocab_chunks, zero_stage=zero_stage,
+    )  # fmt: skip
     unit_specs, norm_spec, root_spec, _ = plan.specs
     _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
 
@@ -265,18 +268,18 @@ def _materialize_the_rest(module: nn.Module, engine: YaFSDPEngine, init_on: Mate
 
 
 def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
-    """Create the units (views into the masters and the frozen store) and the residents."""
+    """Create the units (views into the masters and the frozen store) and the residents.
+
+    The groups are laid out in plan order (the master's order); the units of the
+    schedule follow ``plan.segments`` (a tied weight's uses at their modules' places).
+    """
     unit_specs, norm_spec, root_spec, _ = plan.specs
-    units, residents = [], []
+    groups, residents = [], []
     offset = frozen_offset = 0
     flat_units = _flat_groups(plan)[: len(unit_specs)]
     for (spec, layout, frozen_layout), chunks in zip(flat_units, plan.chunks, strict=True):
         kwargs = _group_kwargs(spec, layout, engine, "flat", offset)
         offset += layout.shard_numel
-        if chunks is not None:  # [Note: row chunks]
-            parent = ChunkedParams(spec.modules[0], **kwargs)
-            units += _chunk_units(engine, len(units), parent, chunks)
-            continue
         if frozen_layout is not None:
             end = frozen_offset + frozen_layout.shard_numel
             kwargs.update(
@@ -285,9 +288,19 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
                 frozen_shard=engine.frozen_store[frozen_offset:end],
             )
             frozen_offset = end
-        units.append(
-            ShardedUnit(engine, len(units), spec.modules, is_block=spec.is_block, **kwargs)
-        )
+        # [Note: row chunks]
+        groups.append(ChunkedParams(spec.modules, chunks, **kwargs) if chunks else kwargs)
+    names = {id(m): name for name, m in engine.root.named_modules()}
+    units = []
+    for segment in plan.segments:
+        spec, group = unit_specs[segment.unit], groups[segment.unit]
+        if isinstance(group, ChunkedParams):
+            use = spec.modules[segment.use]
+            units += _chunk_units(engine, len(units), group, use, names[id(use)])
+        else:
+            units.append(
+                ShardedUnit(engine, len(units), spec.modules, is_block=spec.is_block, **group)
+            )
     if plan.root is not None:
         kwargs = _group_kwargs(root_spec, plan.root, engine, "flat", offset)
         residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
@@ -297,13 +310,14 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
     engine.add_groups(units, residents)
 
 
-def _chunk_units(engine, first: int, parent: ChunkedParams, chunks) -> list[RowChunkUnit]:
-    """The units of the schedule of one chunked module, from index ``first`` on."""
-    parent.chunks = [
-        RowChunkUnit(engine, first + i, parent, chunk) for i, chunk in enumerate(chunks)
+def _chunk_units(engine, first: int, parent: ChunkedParams, use, use_name: str) -> list:
+    """The units of the schedule of one use of a chunked module, from index ``first`` on."""
+    units = [
+        RowChunkUnit(engine, first + i, parent, chunk, source=use, use_name=use_name)
+        for i, chunk in enumerate(parent.row_chunks)
     ]
-    parent.install_forward()
-    return parent.chunks
+    parent.install_forward(use, units)
+    return units
 
 
 @dataclass(frozen=True)
@@ -320,6 +334,10 @@ class ShardingPlan:
             ([Note: frozen shards]).
         chunks: per unit, its row chunks when it runs in chunks ([Note: row
             chunks]), else None.
+        segments: the runs of the schedule, in order: every unit once, a chunked
+            unit of several modules once per module ([Note: tied row chunks]).
+        unchunked: ``(name, reason, size in largest blocks)`` of every root unit larger
+            than the largest block that keeps a whole unit ([Note: chunkable modules]).
         root: layout of the resident root remainder (parameters outside units and
             norms that stay resident), or None.
         norms: layout of the norm group.
@@ -332,21 +350,35 @@ class ShardingPlan:
     root: FlatLayout | None
     norms: FlatLayout | None
     chunks: tuple[tuple[RowChunk, ...] | None, ...] = ()
+    segments: tuple[Segment, ...] = ()
+    unchunked: tuple[tuple[str, str, float], ...] = ()
+    zero_stage: int = 3
     specs: tuple = field(default=(), repr=False, compare=False)
 
     def schedule(self) -> list[ScheduledUnit]:
-        """The units of the schedule, in order: each unit, or each of its row chunks."""
+        """The units of the schedule, in order: each unit, or each row chunk of each use.
+
+        ZeRO-2 keeps a chunk's gathered rows from forward to backward, so a later use of
+        the same rows (a tied weight's head) reads the first use's slot and gathers
+        nothing ([Note: tied row chunks]).
+        """
         chunks = self.chunks or (None,) * len(self.units)
-        return [
-            scheduled
-            for (_, layout), frozen, unit_chunks, reads, block in zip(
-                self.units, self.frozen, chunks, self.backward_reads_weights, self.blocks,
-                strict=True,
+        schedule: list[ScheduledUnit] = []
+        first_use: dict[tuple[int, int], int] = {}  # (unit, chunk) -> schedule index
+        for segment in self.segments:
+            runs = scheduled_units(
+                self.units[segment.unit][1],
+                self.frozen[segment.unit],
+                chunks[segment.unit],
+                reads_weights=segment.reads_weights,
+                is_block=self.blocks[segment.unit],
             )
-            for scheduled in scheduled_units(
-                layout, frozen, unit_chunks, reads_weights=reads, is_block=block
-            )
-        ]
+            for k, run in enumerate(runs):
+                earlier = first_use.setdefault((segment.unit, k), len(schedule))
+                if self.zero_stage == 2 and chunks[segment.unit] and earlier != len(schedule):
+                    run = replace(run, shares_weights_with=earlier, gather_comm=0)
+                schedule.append(run)
+        return schedule
 
 
 def plan_layouts(
@@ -356,18 +388,25 @@ def plan_layouts(
     units: UnitsSpec = None,
     norm_classes: NormSpec = None,
     vocab_chunks: bool = False,
+    zero_stage: int = 3,
 ) -> ShardingPlan:
     """The layouts ``shard_model`` would build for ``module`` at ``world_size``.
 
     Needs no process group and works on meta-device models: memory estimates
     (``yafsdp estimate``) use it so that they match the engine exactly.
-    ``vocab_chunks``: as ``shard_model`` decides it (its option, ZeRO-3, flat sharding).
+    ``vocab_chunks`` and ``zero_stage``: as given to ``shard_model``; ``world_size``:
+    the shard group's size.
     """
     unit_modules = find_units(module, units)
-    return _plan(module, unit_modules, norm_classes, world_size, vocab_chunks)
+    return _plan(
+        module, unit_modules, norm_classes, world_size,
+        vocab_chunks=vocab_chunks, zero_stage=zero_stage,
+    )  # fmt: skip
 
 
-def _plan(module, unit_modules, norm_classes, world_size, vocab_chunks=False) -> ShardingPlan:
+def _plan(
+    module, unit_modules, norm_classes, world_size, *, vocab_chunks: bool, zero_stage: int
+) -> ShardingPlan:
     block_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
     if not any(spec.params for spec in (*block_specs, norm_spec, root_spec)):
         raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
@@ -389,40 +428,68 @@ def _plan(module, unit_modules, norm_classes, world_size, vocab_chunks=False) ->
     # A unit with only frozen parameters has an empty trainable layout (padding only).
     layouts = [layout_of(spec.params, spec.owners) for spec in unit_specs]
     frozen_layouts = [frozen_layout_of(spec) for spec in unit_specs]
+    chunks, unchunked = _row_chunks(unit_specs, layouts, frozen_layouts, enabled=vocab_chunks)
+    reads = tuple(not all(type(m) is nn.Embedding for m in spec.modules) for spec in unit_specs)
     return ShardingPlan(
         units=[(spec.name, layout) for spec, layout in zip(unit_specs, layouts, strict=True)],
         blocks=tuple(spec.is_block for spec in unit_specs),
-        backward_reads_weights=tuple(
-            not all(type(m) is nn.Embedding for m in spec.modules) for spec in unit_specs
-        ),
+        backward_reads_weights=reads,
         frozen=frozen_layouts,
-        chunks=_row_chunks(unit_specs, layouts, frozen_layouts, vocab_chunks),
+        chunks=chunks,
+        segments=_segments(module, unit_specs, chunks, reads),
+        unchunked=unchunked,
+        zero_stage=zero_stage,
         root=layout_of(root_spec.params, root_spec.owners) if root_spec.params else None,
         norms=layout_of(norm_spec.params, norm_spec.owners) if norm_spec.params else None,
         specs=(unit_specs, norm_spec, root_spec, frozen),
     )
 
 
-def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, enabled: bool) -> tuple:
-    """Per unit, its row chunks if it is a root unit larger than the largest block."""
-    if not enabled:
-        return (None,) * len(specs)
-    largest = max(
-        (
-            layout.padded_numel + (frozen.padded_numel if frozen is not None else 0)
-            for spec, layout, frozen in zip(specs, layouts, frozen_layouts, strict=True)
-            if spec.is_block
-        ),
-        default=0,
-    )
-    chunkable = [
-        not spec.is_block and can_chunk(spec.modules, spec.params, spec.frozen_params)
-        for spec in specs
+def _row_chunks(specs: list[GroupSpec], layouts, frozen_layouts, *, enabled: bool):
+    """Per unit, its row chunks if it is a chunkable root unit larger than the largest
+    block; and ``(name, reason, size / largest block)`` of each larger one that stays whole
+    (sizes count frozen parameters: they fill the weight slots too)."""
+    sizes = [
+        layout.padded_numel + (frozen.padded_numel if frozen is not None else 0)
+        for layout, frozen in zip(layouts, frozen_layouts, strict=True)
     ]
-    return tuple(
-        split_rows(layout, largest) if chunkable[i] and largest else None
-        for i, layout in enumerate(layouts)
-    )
+    largest = max((n for n, spec in zip(sizes, specs, strict=True) if spec.is_block), default=0)
+    chunks, unchunked = [], []
+    for spec, layout, frozen, size in zip(specs, layouts, frozen_layouts, sizes, strict=True):
+        if spec.is_block or not largest or size <= largest:
+            chunks.append(None)
+            continue
+        reason = (
+            chunk_refusal(spec.modules, spec.params, spec.frozen_params)
+            if enabled
+            else "vocab_chunks is off"
+        )
+        # A frozen module's rows are those of its frozen layout, after a one-element
+        # trainable part ([Note: frozen shards]).
+        split, bound = (layout, largest) if spec.params else (frozen, largest - 1)
+        rows = split_rows(split, bound) if reason is None else None
+        if reason is None and rows is None:
+            reason = "it has a single row"
+        chunks.append(rows)
+        if reason is not None:
+            unchunked.append((spec.name, reason, size / largest))
+    return tuple(chunks), tuple(unchunked)
+
+
+def _segments(root: nn.Module, specs: list[GroupSpec], chunks, reads) -> tuple[Segment, ...]:
+    """The runs of the schedule in module order: each unit at its first module, each use
+    of a chunked unit of several modules (a tied weight) at its own module."""
+    position = {id(m): i for i, (_, m) in enumerate(root.named_modules())}
+    placed = []
+    for index, spec in enumerate(specs):
+        if chunks[index] is None:
+            first = min(position[id(m)] for m in spec.modules)
+            placed.append((first, Segment(index, 0, reads[index])))
+            continue
+        for use, module in enumerate(spec.modules):
+            segment = Segment(index, use, not is_embedding_use(module))
+            placed.append((position[id(module)], segment))
+    return tuple(segment for _, segment in sorted(placed, key=lambda item: item[0]))
 
 
 def _in_module_order(root: nn.Module, specs: list[GroupSpec]) -> list[GroupSpec]:

@@ -4,45 +4,46 @@
 sharded parameters, exactly as a unit would) and replaces the module's forward
 by one over its chunks; each ``RowChunkUnit`` is a unit of the schedule that
 gathers, computes and reduces one chunk's rows, with a unit's state machine.
+
+[Note: tied row chunks]
+A weight tied between an embedding and a head (GPT-2, Gemma, Llama 3.2 1B/3B) is
+one parameter with two uses. Each use runs as chunks of its own, at its own place
+in the schedule (the embedding's chunks first, the head's last): the same rows,
+gathered once per use. Each use's chunk gradient is reduced as soon as that use's
+backward of the chunk is done, and the owner adds it into the sharded gradient,
+where the two uses meet; so no vocabulary-sized gradient is alive through the
+backward (a whole tied unit holds one from the head's backward to the embedding's).
+The cost is traffic: the table's gradient is reduced twice per backward (once
+per use) instead of once, +1 x vocab x dim x reduce-dtype bytes per rank per
+micro-batch. Gathers: ZeRO-3 gathers the rows once per use in forward and the
+head's again for backward (but its last two chunks; the embedding's backward reads no
+weights); ZeRO-2, which keeps gathered rows until backward, gives a head chunk the
+slot of its embedding chunk: the rows are gathered once per step and held once.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_yafsdp.core.comm.collectives import WorkList, broadcast_into, reduce_into
+from lightning_yafsdp.core.comm.collectives import (
+    WorkList,
+    broadcast_into,
+    reduce_into,
+    replicate_all_reduce,
+)
+from lightning_yafsdp.core.runtime.chunk_rules import embedding_post_op, is_embedding_use
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner
+from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
-
-
-def can_chunk(modules: list[nn.Module], params: list[nn.Parameter], frozen: list) -> bool:
-    """Whether a root unit may run in row chunks: one plain embedding or linear, all trainable.
-
-    Subclasses (a scaled embedding, a quantized linear) may compute anything in their
-    forward, and ``max_norm`` / ``sparse`` embeddings write or need the whole table.
-    """
-    if len(modules) != 1 or frozen:
-        return False
-    module = modules[0]
-    own = [p for p in module.parameters(recurse=False)]
-    if [id(p) for p in params] != [id(p) for p in own]:
-        return False
-    if type(module) is nn.Linear:
-        return True
-    return (
-        type(module) is nn.Embedding
-        and module.max_norm is None
-        and not module.sparse
-        and not module.scale_grad_by_freq
-    )
 
 
 class _LinearRows(nn.Module):
@@ -83,47 +84,65 @@ class ChunkedParams(FlatParamGroup):
     """The parameters of a module run in row chunks, and its chunked forward.
 
     A flat group like a unit's (same layout, shards and sharded parameters), but
-    never gathered whole: its ``chunks`` are the units that run.
+    never gathered whole: its ``chunks`` are the units that run, one run of chunks
+    per use (per module: two for a tied embedding and head, [Note: tied row chunks]).
+
+    Args:
+        modules: the modules using the parameters (one, or the users of a tied weight).
+        row_chunks: the chunks every use runs in.
     """
 
-    def __init__(self, module: nn.Module, **group_kwargs: Any) -> None:
+    def __init__(
+        self, modules: list[nn.Module], row_chunks: tuple[RowChunk, ...], **group_kwargs: Any
+    ) -> None:
         super().__init__(**group_kwargs)
-        self.module = module
+        self.modules = modules
+        self.row_chunks = row_chunks
+        # Every parameter frozen (a LoRA base's embedding or head): the chunks are rows of
+        # the frozen layout, gathered from the frozen store ([Note: frozen shards]).
+        self.frozen_rows = not self.layout.spans
         self.chunks: list[RowChunkUnit] = []
-        self._hook = None
+        self._hooks: list = []
 
-    def install_forward(self) -> None:
-        """Replace the module's forward by the loop over its chunks."""
-        chunk_modules = [unit.module for unit in self.chunks]
-        if isinstance(self.module, nn.Embedding):
+    def install_forward(self, module: nn.Module, units: list[RowChunkUnit]) -> None:
+        """Replace ``module``'s forward by the loop over ``units``, its use's chunks."""
+        self.chunks += units
+        chunk_modules = [unit.module for unit in units]
+        # Callers may pass the input by keyword, under the name the module's forward
+        # gives it (``input`` for nn.Embedding / nn.Linear, ``input_ids`` for HF's).
+        name = next(iter(inspect.signature(module.forward).parameters))
+        if is_embedding_use(module):
+            post_op = embedding_post_op(module)  # a scaled embedding's scale
 
-            # ``input``: the name nn.Embedding / nn.Linear give it (callers may pass it so).
-            def forward(input: torch.Tensor) -> torch.Tensor:
+            def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+                ids = args[0] if args else kwargs[name]
                 out = None
                 for chunk in chunk_modules:
-                    out = chunk(input, out)
-                return out
+                    out = chunk(ids, out)
+                return out if post_op is None else post_op(out)
         else:
+            out_features = module.out_features
 
-            def forward(input: torch.Tensor) -> torch.Tensor:
+            def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+                x = args[0] if args else kwargs[name]
                 # Written into one logits tensor chunk by chunk, so at most one chunk's
                 # logits exist beside it (torch.cat would hold every chunk's as well).
-                first = chunk_modules[0](input)
-                out = first.new_empty(*first.shape[:-1], self.module.out_features)
+                first = chunk_modules[0](x)
+                out = first.new_empty(*first.shape[:-1], out_features)
                 out[..., : first.shape[-1]] = first
                 start = first.shape[-1]
                 del first
                 for chunk in chunk_modules[1:]:
-                    part = chunk(input)
+                    part = chunk(x)
                     out[..., start : start + part.shape[-1]] = part
                     start += part.shape[-1]
                 return out
 
-        self.module.forward = forward
-        self._hook = self.module.register_forward_pre_hook(self._refuse_copies)
+        module.forward = forward
+        self._hooks.append(module.register_forward_pre_hook(self._refuse_copies))
 
     def _refuse_copies(self, module: nn.Module, args: tuple) -> None:
-        if module is not self.module:
+        if all(module is not own for own in self.modules):
             raise RuntimeError(
                 f"the forward of a deep copy of the sharded module '{self.name}' was called: "
                 "a copy of a sharded model (copy.deepcopy, an EMA's AveragedModel) holds this "
@@ -133,11 +152,13 @@ class ChunkedParams(FlatParamGroup):
 
     def grad_ranges(self, rank: int) -> list[tuple[int, int]]:
         """This rank's grad range, split at every chunk part it owns (the rest: gaps)."""
+        if self.frozen_rows:
+            return [self.grad_range]
         base, end = self.grad_range
         parts = sorted(
             (base + t.shard_offset, base + t.shard_offset + t.numel)
-            for unit in self.chunks
-            for t in unit.chunk.owned_by(rank)
+            for chunk in self.row_chunks  # each use's chunks add into the same ranges
+            for t in chunk.owned_by(rank)
         )
         ranges, cursor = [], base
         for start, stop in parts:
@@ -150,10 +171,11 @@ class ChunkedParams(FlatParamGroup):
         return ranges
 
     def remove_hooks(self) -> None:
-        self.module.__dict__.pop("forward", None)
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
 
 class RowChunkUnit(ShardedUnit):
@@ -161,43 +183,83 @@ class RowChunkUnit(ShardedUnit):
 
     Its buffer layout is the chunk's rows; its parameters' views go on a private
     chunk module. The gather broadcasts each owner's part; the reduce sums each
-    part into its owner, who adds it into the parent's grad shard.
+    part into its owner, who adds it into the parent's grad shard (under hybrid
+    sharding after an all_reduce of the owned parts across the replicas).
+
+    Args:
+        source: the module whose use this chunk computes (the embedding or the head).
+        use_name: its name (the chunk is named ``use_name[start:end]``).
     """
 
     def __init__(
-        self, engine: YaFSDPEngine, index: int, parent: ChunkedParams, chunk: RowChunk
+        self,
+        engine: YaFSDPEngine,
+        index: int,
+        parent: ChunkedParams,
+        chunk: RowChunk,
+        *,
+        source: nn.Module,
+        use_name: str,
     ) -> None:
-        source = parent.module
-        if isinstance(source, nn.Embedding):
+        if is_embedding_use(source):
             module: nn.Module = _EmbeddingRows(source, chunk.start, chunk.end)
         else:
             module = _LinearRows(source.bias is not None)
-        attrs = [owners[0].attr for owners in parent.owners]
+        frozen = parent.frozen_rows
+        spans = parent.frozen_layout.spans if frozen else parent.layout.spans
+        attrs = [owners[0].attr for owners in (parent.frozen_owners if frozen else parent.owners)]
         owners = [
-            [ParamOwner(module, attr, span.name)]
-            for attr, span in zip(attrs, parent.layout.spans, strict=True)
+            [ParamOwner(module, attr, span.name)] for attr, span in zip(attrs, spans, strict=True)
         ]
+        # [Note: frozen shards] Frozen rows follow an empty trainable part in the buffer.
+        rows = dict(layout=chunk.layout, owners=owners)
+        if frozen:
+            rows = dict(
+                layout=FlatLayout([], [], world_size=1), owners=[], frozen_layout=chunk.layout,
+                frozen_owners=owners, frozen_shard=parent.frozen_shard,
+            )  # fmt: skip
         super().__init__(
             engine,
             index,
             [module],
             is_block=False,
-            name=f"{parent.name}[{chunk.start}:{chunk.end}]",
-            layout=chunk.layout,
-            owners=owners,
+            name=f"{use_name}[{chunk.start}:{chunk.end}]",
             master_shard=parent.master_shard,
             compute_shard=parent.compute_shard,
             grad_range=parent.grad_range,
+            **rows,
         )
         self.parent, self.chunk = parent, chunk
-        self.sharded_params = parent.sharded_params  # one list: filled when params are made
+        # One list each with the parent's: filled when the parameters are made.
+        self.sharded_params, self.frozen_params = parent.sharded_params, parent.frozen_params
         # [Note: weightless backward] an embedding's rows are not read by its backward.
-        self.backward_reads_weights = not isinstance(source, nn.Embedding)
-        self._owned = chunk.owned_by(engine.shard_rank)
+        self.backward_reads_weights = not is_embedding_use(source)
+        # Frozen rows get no grads: nothing to reduce, nothing owned.
+        self._reduced_parts = () if frozen else chunk.transfers
+        self._owned = [] if frozen else chunk.owned_by(engine.shard_rank)
 
     @property
     def param_group(self) -> FlatParamGroup:
         return self.parent
+
+    def _holds_weights(self, buffer) -> bool:
+        """Also when the buffer holds the same rows for another use of the same weight
+        (ZeRO-2 tied: the head's chunk reads its embedding chunk's slot, [Note: tied row
+        chunks]); this chunk then becomes the holder, so the buffer is in use while it
+        computes."""
+        if super()._holds_weights(buffer):
+            return True
+        holder = buffer.holder
+        twin = (
+            isinstance(holder, RowChunkUnit)
+            and holder.parent is self.parent
+            and holder.chunk is self.chunk
+            and buffer.version == self.engine.compute_version
+            and not holder.is_computing
+        )
+        if twin:
+            buffer.holder = self
+        return twin
 
     def end_iteration(self) -> None:
         super().end_iteration()
@@ -217,6 +279,8 @@ class RowChunkUnit(ShardedUnit):
         # Mixed precision: the owner's part is cast as it is copied in ([Note: cast on gather]).
         source = self.compute_shard if self.compute_shard is not None else self.master_shard
         out, me = buffer.tensor.data, engine.shard_rank
+        if self.parent.frozen_rows:  # after the (empty) trainable part, from the frozen store
+            source, out = self.frozen_shard, out[self.layout.padded_numel :]
 
         def launch(async_op: bool):
             works = []
@@ -258,7 +322,7 @@ class RowChunkUnit(ShardedUnit):
                     async_op=async_op,
                     stats=engine.comm_stats,
                 )
-                for part in self.chunk.transfers
+                for part in self._reduced_parts
             ]
             if async_op:
                 return WorkList(works, then=copy_out)
@@ -270,10 +334,28 @@ class RowChunkUnit(ShardedUnit):
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
             scatter=launch,
-            replicate=None,
+            replicate=self._replicate_launch(reduced),
             after=engine.scheduler.compute_marker(),
         )
         return self._add_owned_parts, pending
+
+    def _replicate_launch(self, reduced: torch.Tensor):
+        """Hybrid sharding: the all_reduce of the owned parts across the replicas, which own
+        the same parts ([Note: hybrid sharding]); None with one shard group."""
+        engine = self.engine
+        if engine.replicate_group is None:
+            return None
+        owned = sum(part.numel for part in self._owned)
+
+        def launch(async_op: bool):
+            if not owned:  # this shard rank owns none of the chunk, nor do its replicas
+                return None
+            return replicate_all_reduce(
+                reduced[:owned], engine.replicate_group, async_op=async_op,
+                stats=engine.comm_stats,
+            )  # fmt: skip
+
+        return launch
 
     def _add_owned_parts(self) -> None:
         engine, base = self.engine, self.grad_range[0]

@@ -116,6 +116,8 @@ class YaFSDPEngine:
             WeightBuffer(i, numel, dtype=param_dtype, device=device)
             for i, numel in enumerate(buffer_sizes.weights)
         ]
+        # Unit i of the schedule gathers into weight_buffers[weight_slot_of[i]].
+        self.weight_slot_of = list(buffer_sizes.weight_slots)
         self.grad_buffers = [
             GradBuffer(i, numel, shard, dtype=reduce_dtype, device=device)
             for i, (numel, shard) in enumerate(

@@ -82,7 +82,7 @@ class ShardedUnit(FlatParamGroup):
         # are re-gathered as any unit.
         # (ShardingPlan.backward_reads_weights applies the same rule, for estimates.)
         self.backward_reads_weights = not all(type(m) is nn.Embedding for m in modules)
-        self.weight_buffer = engine.weight_buffers[index % len(engine.weight_buffers)]
+        self.weight_buffer = engine.weight_buffers[engine.weight_slot_of[index]]
         self.grad_buffer = engine.grad_buffers[index % len(engine.grad_buffers)]
         self.life = UnitLifecycle(self.name)
         self._hooks = []
@@ -111,13 +111,17 @@ class ShardedUnit(FlatParamGroup):
     def prefetch(self) -> None:
         """Start gathering into this unit's buffer if it is free; never blocks."""
         buffer = self.weight_buffer
-        if buffer.holds(self, self.engine.compute_version) or buffer.in_use:
+        if self._holds_weights(buffer) or buffer.in_use:
             return
         self._issue_gather()
 
+    def _holds_weights(self, buffer) -> bool:
+        """Whether ``buffer`` holds (or is receiving) this unit's current weights."""
+        return buffer.holds(self, self.engine.compute_version)
+
     def _ensure_gathered(self) -> None:
         buffer = self.weight_buffer
-        if not buffer.holds(self, self.engine.compute_version):
+        if not self._holds_weights(buffer):
             if buffer.in_use:
                 raise RuntimeError(
                     f"unit '{self.name}' is called while its weight buffer {buffer.index} is "
