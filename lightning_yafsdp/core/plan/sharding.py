@@ -296,24 +296,26 @@ def _add_groups(engine: YaFSDPEngine, plan: ShardingPlan) -> None:
         spec, group = unit_specs[segment.unit], groups[segment.unit]
         if isinstance(group, ChunkedParams):
             use = spec.modules[segment.use]
-            units += _chunk_units(engine, len(units), group, use, names[id(use)])
+            units += _chunk_units(engine.context, len(units), group, use, names[id(use)])
         else:
             units.append(
-                ShardedUnit(engine, len(units), spec.modules, is_block=spec.is_block, **group)
+                ShardedUnit(
+                    engine.context, len(units), spec.modules, is_block=spec.is_block, **group
+                )
             )
     if plan.root is not None:
         kwargs = _group_kwargs(root_spec, plan.root, engine, "flat", offset)
-        residents.append(ResidentGroup(engine, grads=engine.unit_grads, **kwargs))
+        residents.append(ResidentGroup(engine.context, grads=engine.unit_grads, **kwargs))
     if plan.norms is not None:
         kwargs = _group_kwargs(norm_spec, plan.norms, engine, "norm", 0)
-        residents.append(ResidentGroup(engine, grads=engine.norm_grads, **kwargs))
+        residents.append(ResidentGroup(engine.context, grads=engine.norm_grads, **kwargs))
     engine.add_groups(units, residents)
 
 
-def _chunk_units(engine, first: int, parent: ChunkedParams, use, use_name: str) -> list:
+def _chunk_units(context, first: int, parent: ChunkedParams, use, use_name: str) -> list:
     """The units of the schedule of one use of a chunked module, from index ``first`` on."""
     units = [
-        RowChunkUnit(engine, first + i, parent, chunk, source=use, use_name=use_name)
+        RowChunkUnit(context, first + i, parent, chunk, source=use, use_name=use_name)
         for i, chunk in enumerate(parent.row_chunks)
     ]
     parent.install_forward(use, units)
@@ -765,7 +767,7 @@ def _rewire_module(module: nn.Module, engine: YaFSDPEngine) -> None:
         for m in unit.modules
         for sub in m.modules()
     }
-    begin_forward = outside_compile(lambda *_: engine.begin_forward())
+    begin_forward = outside_compile(lambda *_: engine.context.begin_forward())
 
     def begin_forward_unless_traced(*_):
         if not torch.compiler.is_compiling():

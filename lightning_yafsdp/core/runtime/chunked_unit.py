@@ -24,7 +24,7 @@ slot of its embedding chunk: the rows are gathered once per step and held once.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,16 +34,13 @@ from lightning_yafsdp.core.comm.collectives import (
     WorkList,
     broadcast_into,
     reduce_into,
-    replicate_all_reduce,
 )
 from lightning_yafsdp.core.runtime.chunk_rules import embedding_post_op, is_embedding_use
+from lightning_yafsdp.core.runtime.context import StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner
 from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.row_chunks import RowChunk
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
-
-if TYPE_CHECKING:
-    from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
 
 
 class _LinearRows(nn.Module):
@@ -193,7 +190,7 @@ class RowChunkUnit(ShardedUnit):
 
     def __init__(
         self,
-        engine: YaFSDPEngine,
+        context: StepContext,
         index: int,
         parent: ChunkedParams,
         chunk: RowChunk,
@@ -219,7 +216,7 @@ class RowChunkUnit(ShardedUnit):
                 frozen_owners=owners, frozen_shard=parent.frozen_shard,
             )  # fmt: skip
         super().__init__(
-            engine,
+            context,
             index,
             [module],
             is_block=False,
@@ -236,7 +233,7 @@ class RowChunkUnit(ShardedUnit):
         self.backward_reads_weights = not is_embedding_use(source)
         # Frozen rows get no grads: nothing to reduce, nothing owned.
         self._reduced_parts = () if frozen else chunk.transfers
-        self._owned = [] if frozen else chunk.owned_by(engine.shard_rank)
+        self._owned = [] if frozen else chunk.owned_by(context.shard_rank)
 
     @property
     def param_group(self) -> FlatParamGroup:
@@ -254,7 +251,7 @@ class RowChunkUnit(ShardedUnit):
             isinstance(holder, RowChunkUnit)
             and holder.parent is self.parent
             and holder.chunk is self.chunk
-            and buffer.version == self.engine.compute_version
+            and buffer.version == self.context.compute_version
             and not holder.is_computing
         )
         if twin:
@@ -275,10 +272,10 @@ class RowChunkUnit(ShardedUnit):
 
     def _gather_launch(self, buffer) -> tuple:
         """One broadcast per owning rank's part; no staging ([Note: row chunks])."""
-        engine = self.engine
+        ctx = self.context
         # Mixed precision: the owner's part is cast as it is copied in ([Note: cast on gather]).
         source = self.compute_shard if self.compute_shard is not None else self.master_shard
-        out, me = buffer.tensor.data, engine.shard_rank
+        out, me = buffer.tensor.data, ctx.shard_rank
         if self.parent.frozen_rows:  # after the (empty) trainable part, from the frozen store
             source, out = self.frozen_shard, out[self.layout.padded_numel :]
 
@@ -292,9 +289,9 @@ class RowChunkUnit(ShardedUnit):
                     broadcast_into(
                         region,
                         part.rank,
-                        engine.shard_group,
+                        ctx.shard_group,
                         async_op=async_op,
-                        stats=engine.comm_stats,
+                        stats=ctx.comm_stats,
                     )
                 )
             return WorkList(works) if async_op else None
@@ -303,7 +300,7 @@ class RowChunkUnit(ShardedUnit):
 
     def _issue_reduction(self, grad_buffer) -> tuple:
         """One reduce per owning rank's part; each owner adds its parts into its grad shard."""
-        engine = self.engine
+        ctx = self.context
         full, reduced = grad_buffer.tensor, grad_buffer.reduced
 
         def copy_out() -> None:  # the grad buffer is free once the owned parts are copied
@@ -318,9 +315,9 @@ class RowChunkUnit(ShardedUnit):
                 reduce_into(
                     full[part.chunk_offset : part.chunk_offset + part.numel],
                     part.rank,
-                    engine.shard_group,
+                    ctx.shard_group,
                     async_op=async_op,
-                    stats=engine.comm_stats,
+                    stats=ctx.comm_stats,
                 )
                 for part in self._reduced_parts
             ]
@@ -329,39 +326,29 @@ class RowChunkUnit(ShardedUnit):
             copy_out()
             return None
 
-        pending = engine.scheduler.issue_reduce(
+        pending = ctx.issue_reduction(
             unit=self.name,
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
             scatter=launch,
             replicate=self._replicate_launch(reduced),
-            after=engine.scheduler.compute_marker(),
         )
         return self._add_owned_parts, pending
 
     def _replicate_launch(self, reduced: torch.Tensor):
         """Hybrid sharding: the all_reduce of the owned parts across the replicas, which own
         the same parts ([Note: hybrid sharding]); None with one shard group."""
-        engine = self.engine
-        if engine.replicate_group is None:
-            return None
         owned = sum(part.numel for part in self._owned)
-
-        def launch(async_op: bool):
-            if not owned:  # this shard rank owns none of the chunk, nor do its replicas
-                return None
-            return replicate_all_reduce(
-                reduced[:owned], engine.replicate_group, async_op=async_op,
-                stats=engine.comm_stats,
-            )  # fmt: skip
-
-        return launch
+        launch = self.context.replicate(reduced[:owned])
+        if launch is None or owned:
+            return launch
+        return lambda async_op: None  # this shard rank owns none of the chunk, nor do its replicas
 
     def _add_owned_parts(self) -> None:
-        engine, base = self.engine, self.grad_range[0]
+        ctx, base = self.context, self.grad_range[0]
         reduced, cursor = self.grad_buffer.reduced, 0
         for part in self._owned:
             start = base + part.shard_offset
             piece = reduced[cursor : cursor + part.numel]
-            engine.unit_grads.add(start, start + part.numel, piece, engine.divide_factor)
+            ctx.add_reduced(ctx.unit_grads, start, start + part.numel, piece)
             cursor += part.numel

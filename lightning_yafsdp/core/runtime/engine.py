@@ -1,47 +1,34 @@
 """The root of a sharded model: iteration boundaries, optimizer hand-off, state access.
 
-``shard_model`` (``sharding.py``) builds a ``YaFSDPEngine``; units and
-resident groups call back into it. The engine answers every "which buffer /
-which group / which dtype" question so no other code does that arithmetic.
+``shard_model`` (``sharding.py``) builds a ``YaFSDPEngine``. The engine builds the step
+context every group shares ([Note: step context], ``context.py``) and installs its own
+part of a step's boundaries there; the groups never call the engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed import ReduceOp
 
-from lightning_yafsdp.core.comm.buffers import GatherStaging, GradBuffer, WeightBuffer
-from lightning_yafsdp.core.comm.collectives import (
-    CommStats,
-    all_gather_into,
-    all_reduce_,
-    reduce_scatter_into,
-    replicate_all_reduce,
-)
+from lightning_yafsdp.core.comm.buffers import GatherStaging
+from lightning_yafsdp.core.comm.collectives import all_reduce_
 from lightning_yafsdp.core.comm.mesh import ShardMesh
 from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
-from lightning_yafsdp.core.comm.streams import CommScheduler, PendingReduce, ScheduleEvent
+from lightning_yafsdp.core.comm.streams import ScheduleEvent
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.optim_step import OptimizerStepSwap
 from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.runtime.context import StepCallbacks, StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
+from lightning_yafsdp.core.runtime.full_params import FullGather
 from lightning_yafsdp.core.runtime.resident import ResidentGroup
-from lightning_yafsdp.core.runtime.unit import ShardedUnit, UnitState
-
-
-class EnginePhase(enum.Enum):
-    """Where the model as a whole is; each unit's own state is its ``UnitLifecycle``."""
-
-    OUTSIDE_BACKWARD = "outside backward"
-    BACKWARD = "backward"  # the end-of-backward callback is queued and has not run
+from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 
 @dataclass(frozen=True)
@@ -84,8 +71,8 @@ class YaFSDPEngine:
     """Runtime state of one sharded model (see ``shard_model`` for the arguments).
 
     Built complete from the plan's buffer sizes and the filled master shards; only its
-    units and resident groups are added after (``add_groups``), since each is built
-    over the engine's buffers and masters.
+    groups are added after (``add_groups``), since each is built over the step context
+    and the masters.
     """
 
     def __init__(
@@ -100,72 +87,53 @@ class YaFSDPEngine:
         cast_forward_inputs: bool,
         masters: EngineMasters,
     ) -> None:
-        self.root = root
-        self._adopt_mesh(mesh)
-        self.device = device
-        self.param_dtype = param_dtype
-        self.reduce_dtype = reduce_dtype
-        self.cast_forward_inputs = cast_forward_inputs
-        # Reduced grads are sums over every rank (shard and replicate groups).
-        self.divide_factor = float(self.world_size)
-        self.scheduler = CommScheduler(device)
-        # [Note: collective order guard] on by default where it is cheap (CPU).
-        self.verify_collective_order(device.type != "cuda")
-        self.comm_stats = CommStats()
-        self.weight_buffers = [
-            WeightBuffer(i, numel, dtype=param_dtype, device=device)
-            for i, numel in enumerate(buffer_sizes.weights)
-        ]
-        # Unit i of the schedule gathers into weight_buffers[weight_slot_of[i]].
-        self.weight_slot_of = list(buffer_sizes.weight_slots)
-        self.grad_buffers = [
-            GradBuffer(i, numel, shard, dtype=reduce_dtype, device=device)
-            for i, (numel, shard) in enumerate(
-                zip(buffer_sizes.grads, buffer_sizes.grad_shards, strict=True)
-            )
-        ]
-        self._adopt_masters(masters, buffer_sizes)
-        self.units: list[ShardedUnit] = []
-        self.residents: list[ResidentGroup] = []
-        self._unit_groups: list[FlatParamGroup] = []  # derived in add_groups
-        self._writers: list[FlatParamGroup] = []
-        self._hooks: list = []
-        # Iteration state.
-        self.compute_version = 0
-        self.phase = EnginePhase.OUTSIDE_BACKWARD
-        self._weights_stale = True
-        self._seen_master_versions: tuple[int, ...] = ()
-        self.optimizer_swap = OptimizerStepSwap(self)
-
-    def _adopt_mesh(self, mesh: ShardMesh) -> None:
+        self.root, self.mesh, self.device = root, mesh, device
         # [Note: hybrid sharding] ``group`` / ``rank`` / ``world_size``: every rank of the
         # model (which parameters were used, checkpoint commits); the units are split
         # over the shard group and, with several shard groups, their reduced grads are
         # all-reduced over the replicate group.
-        self.mesh = mesh
         self.group, self.rank, self.world_size = mesh.world_group, mesh.rank, mesh.world_size
         self.shard_group, self.shard_rank = mesh.shard_group, mesh.shard_rank
-        self.shard_size = mesh.shard_size
-        self.replicate_group = mesh.replicate_group
-
-    def _adopt_masters(self, masters: EngineMasters, buffer_sizes) -> None:
+        self.shard_size, self.replicate_group = mesh.shard_size, mesh.replicate_group
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         # The flat master shards (plain tensors): every sharded parameter is a view of one.
         self.flat_shard, self.norm_shard = masters.flat_shard, masters.norm_shard
         self.frozen_store = masters.frozen_store
         # [Note: cast on gather] No compute twin of the flat master: under mixed precision
         # units cast their shard into a staging tensor right before each gather. The norm
         # group keeps a twin.
-        mixed = self.flat_shard.dtype != self.param_dtype
-        self.gather_staging: GatherStaging | None = (
-            GatherStaging(buffer_sizes.staging, dtype=self.param_dtype, device=self.device)
-            if mixed
-            else None
-        )
+        mixed = self.flat_shard.dtype != param_dtype
         self.flat_compute = None if mixed else self.flat_shard.detach()
         norm = self.norm_shard
-        self.norm_compute = _compute_twin(norm, self.param_dtype) if norm is not None else None
-        self.unit_grads = ShardGrads(self.flat_shard, [])
-        self.norm_grads = ShardGrads(self.norm_shard, []) if self.norm_shard is not None else None
+        self.norm_compute = _compute_twin(norm, param_dtype) if norm is not None else None
+        grads = (
+            ShardGrads(self.flat_shard, []),
+            ShardGrads(self.norm_shard, []) if norm is not None else None,
+        )
+        staging = GatherStaging(buffer_sizes.staging, dtype=param_dtype, device=device)
+        self.context = StepContext(
+            mesh=mesh, device=device, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+            buffer_sizes=buffer_sizes, grads=grads, gather_staging=staging if mixed else None,
+            cast_forward_inputs=cast_forward_inputs, master_dtype=self.flat_shard.dtype,
+        )  # fmt: skip
+        ctx = self.context
+        ctx.install(StepCallbacks(self._forward_start, self._backward_start, self._backward_end))
+        # The context's pieces, under the names readers of the engine know them by.
+        self.scheduler, self.comm_stats = ctx.scheduler, ctx.comm_stats
+        self.weight_buffers, self.grad_buffers = ctx.weight_buffers, ctx.grad_buffers
+        self.gather_staging = ctx.gather_staging
+        self.unit_grads, self.norm_grads = grads
+        # [Note: collective order guard] on by default where it is cheap (CPU).
+        self.verify_collective_order(device.type != "cuda")
+        # The units in schedule order (the context's list) and every parameter group once,
+        # in master order: the unit groups, then the resident groups.
+        self.units: list[ShardedUnit] = ctx.order
+        self._groups: list[FlatParamGroup] = []
+        self._hooks: list = []
+        self._full = FullGather(self.shard_group, self.shard_rank, device, self.comm_stats)
+        self._weights_stale = True
+        self._seen_master_versions: tuple[int, ...] = ()
+        self.optimizer_swap = OptimizerStepSwap(self)
 
     def add_groups(self, units: list[ShardedUnit], residents: list[ResidentGroup]) -> None:
         """The units of the schedule, in module order, and the resident groups.
@@ -174,9 +142,12 @@ class YaFSDPEngine:
         ([Note: row chunks]): ``groups()`` lists that group once, where its chunks are.
         """
         self.units.extend(units)
-        self.residents.extend(residents)
-        self._unit_groups = list(dict.fromkeys(unit.param_group for unit in self.units))
-        self._writers = list(dict.fromkeys([*self.units, *self.groups()]))
+        self._groups = [*dict.fromkeys(unit.param_group for unit in self.units), *residents]
+
+    @property
+    def residents(self) -> list[ResidentGroup]:
+        """The resident groups ([Note: resident groups]): the root remainder, the norms."""
+        return [group for group in self._groups if isinstance(group, ResidentGroup)]
 
     @property
     def root_units(self) -> list[ShardedUnit]:
@@ -234,22 +205,24 @@ class YaFSDPEngine:
         host sync per collective. A mismatch raises ``CollectiveOrderError`` on
         every rank instead of hanging or exchanging shards of different units.
         """
+        units = self.context.order
+
+        def describe(index: int) -> str:
+            if 0 <= index < len(units):
+                return units[index].name
+            return {-1: "<root>", -2: "<norms>"}.get(index, f"group {index}")
+
         self.scheduler.order_guard = (
-            CollectiveOrderGuard(self.mesh, device=self.device, describe=self._describe_group)
+            CollectiveOrderGuard(self.mesh, device=self.device, describe=describe)
             if enabled
             else None
         )
-
-    def _describe_group(self, index: int) -> str:
-        if 0 <= index < len(self.units):
-            return self.units[index].name
-        return {-1: "<root>", -2: "<norms>"}.get(index, f"group {index}")
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide each backward's summed grads by ``factor`` (default: world size)."""
         if factor <= 0:
             raise ValueError(f"gradient divide factor must be positive, got {factor}")
-        self.divide_factor = float(factor)
+        self.context.divide_factor = float(factor)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -270,7 +243,7 @@ class YaFSDPEngine:
         ``error_if_nonfinite`` a nan/inf norm raises on every rank before any grad is
         touched (one host sync, as in torch).
         """
-        sharded, replicated = self._grads_of(params)
+        sharded, replicated = _grads_of(self, params)
         norm_type = float(norm_type)
         inf = norm_type == math.inf
         local = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -297,23 +270,16 @@ class YaFSDPEngine:
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float, *, params: Iterator | None = None) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local, exact)."""
-        for grads in self._grads_of(params):
+        for grads in _grads_of(self, params):
             for grad in grads:
                 grad.clamp_(-clip_value, clip_value)
 
-    def _grads_of(self, params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Local pieces of the sharded grads, and whole grads of replicated params."""
-        params = self.sharded_parameters() if params is None else list(params)
-        with_grad = [p for p in params if p.grad is not None]
-        sharded = [p.grad._local for p in with_grad if isinstance(p.grad, ShardedTensor)]
-        replicated = [p.grad for p in with_grad if not isinstance(p.grad, ShardedTensor)]
-        return sharded, replicated
+    # -- a step's boundaries, called through the step context ----------------------------
 
-    # -- called by units and resident groups ---------------------------------------
-
-    def begin_forward(self) -> None:
+    def _forward_start(self) -> None:
         """Before any sharded module runs: refresh stale compute shards, expose residents."""
-        self._recover_from_failed_backward()
+        if self.context.in_backward and not self.context.inside_autograd_backward():
+            self._abandon_backward()  # the last backward raised before its end
         self.optimizer_swap.restore_all()
         if self._weights_stale or self._master_versions() != self._seen_master_versions:
             self._refresh_compute_shards()
@@ -322,107 +288,13 @@ class YaFSDPEngine:
         for unit in self.root_units:
             unit.expose_placeholders()  # [Note: ungathered weights]
 
-    def issue_reduction(
-        self, *, unit: str, slot: int | None, tag: tuple[int, int], full, reduced
-    ) -> PendingReduce:
-        """Reduce-scatter ``full`` into ``reduced`` in the shard group, after compute so far
-        (condition 4); under hybrid sharding then all-reduce ``reduced`` across replicas."""
-        stats = self.comm_stats
-
-        def scatter(async_op: bool):
-            return reduce_scatter_into(
-                reduced, full, self.shard_group, async_op=async_op, stats=stats
-            )
-
-        def replicate(async_op: bool):
-            return replicate_all_reduce(
-                reduced, self.replicate_group, async_op=async_op, stats=stats
-            )
-
-        return self.scheduler.issue_reduce(
-            unit=unit,
-            slot=slot,
-            tag=tag,
-            scatter=scatter,
-            replicate=replicate if self.replicate_group is not None else None,
-            after=self.scheduler.compute_marker(),
-        )
-
-    def advance_reductions(self) -> None:
-        """Start the replicate all_reduces whose reduce_scatter is done (CPU; no-op on CUDA)."""
-        for buffer in self.grad_buffers:
-            if buffer.reduce is not None:
-                buffer.reduce.advance()
-
-    def prefetch_next(self, unit: ShardedUnit) -> None:
-        """Start gathering the unit after ``unit`` (module order) while ``unit`` computes."""
-        if unit.index + 1 < len(self.units):
-            self.units[unit.index + 1].prefetch()
-
-    def prefetch_previous(self, unit: ShardedUnit) -> None:
-        """In backward: start gathering the unit before ``unit`` if it awaits its backward."""
-        if unit.index > 0:
-            previous = self.units[unit.index - 1]
-            if previous.life.awaits_backward and previous.backward_reads_weights:
-                previous.prefetch()
-
-    def refuse_nested_call(self, unit: ShardedUnit) -> None:
-        """Raise if another unit's forward is running: ``unit`` is called inside it."""
-        for buffer in self.weight_buffers:
-            holder = buffer.holder
-            if holder is not None and holder is not unit and holder.state in _FORWARD_STATES:
-                raise RuntimeError(
-                    f"unit '{unit.name}' is called inside unit '{holder.name}'. Nested sharded "
-                    "units are not supported: list only the outer module in units=."
-                )
-
-    @property
-    def in_backward(self) -> bool:
-        return self.phase is EnginePhase.BACKWARD
-
-    @staticmethod
-    def inside_autograd_backward() -> bool:
-        """True while autograd executes a backward on this thread (recomputation runs here)."""
-        return torch._C._current_graph_task_id() != -1
-
-    def cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Cast floating inputs of a unit to the compute dtype (mixed precision)."""
-        if not self.cast_forward_inputs or self.flat_shard.dtype == self.param_dtype:
-            return args, kwargs
-
-        def cast(x):
-            if (
-                isinstance(x, torch.Tensor)
-                and x.is_floating_point()
-                and x.dtype != self.param_dtype
-            ):
-                return x.to(self.param_dtype)
-            return x
-
-        return pytree.tree_map(cast, (args, kwargs))
-
-    def enter_backward(self) -> None:
-        """First backward hook of a pass: prepare grads, queue the end-of-backward callback.
-
-        ``queue_callback`` attaches to the graph task running NOW. A reentrant
-        checkpoint runs a nested backward (its own graph task) inside the outer
-        one; a callback queued from inside it would fire when the nested task
-        ends, mid-backward. Units therefore enter backward already when a
-        reentrant checkpoint recomputes them (``ShardedUnit._pre_forward``),
-        which runs in the outer task before the nested backward starts.
-        """
-        if self.phase is EnginePhase.BACKWARD:
-            return
-        self.phase = EnginePhase.BACKWARD
-        for grads in self._all_grads():
-            grads.begin_backward()
-        for group in self._grad_writers():
+    def _backward_start(self) -> None:
+        for grads in self.grads_by_master():
+            grads[0].begin_backward()
+        for group in dict.fromkeys([*self.units, *self._groups]):
             group.used_in_backward = [False] * len(group.owners)
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    # -- internals ---------------------------------------------------------------------
-
-    def _end_of_backward(self) -> None:
+    def _backward_end(self) -> None:
         # Collectives below run in the same order on every rank.
         for unit in self.units:
             unit.finish_backward()
@@ -437,11 +309,6 @@ class YaFSDPEngine:
             grads.end_backward(ranges, flags)
         for unit in self.units:
             unit.end_iteration()
-        self.phase = EnginePhase.OUTSIDE_BACKWARD
-
-    def _recover_from_failed_backward(self) -> None:
-        if self.phase is EnginePhase.BACKWARD and not self.inside_autograd_backward():
-            self._abandon_backward()  # the last backward raised before its end
 
     def _abandon_backward(self) -> None:
         """Forget a backward that raised (an out-of-memory retry): the next step starts clean.
@@ -454,13 +321,13 @@ class YaFSDPEngine:
             if buffer.reduce is not None:
                 buffer.reduce.wait()
                 buffer.reduce, buffer.on_reduced = None, None
-        for group in self._grad_writers():
+        for group in dict.fromkeys([*self.units, *self._groups]):
             group.abandon_grad_writes()
         for unit in self.units:
             unit.abandon_iteration()
-        for grads in self._all_grads():
+        for grads, _ in self.grads_by_master():
             grads.abandon_backward()
-        self.phase = EnginePhase.OUTSIDE_BACKWARD
+        self.context.leave_backward()
 
     def _used_anywhere(self) -> dict[int, list[bool]]:
         """Per group, per parameter: did ANY rank write a grad for it in this backward?
@@ -485,16 +352,14 @@ class YaFSDPEngine:
 
     def grads_by_master(self) -> list[tuple[ShardGrads, list[FlatParamGroup]]]:
         """Each master's gradient accumulator with the groups stored in that master."""
-        pairs = [(self.unit_grads, [*self._unit_groups, *self._residents_of(self.unit_grads)])]
-        if self.norm_grads is not None:
-            pairs.append((self.norm_grads, self._residents_of(self.norm_grads)))
-        return pairs
+        def grads_of(group: FlatParamGroup) -> ShardGrads:
+            return group.grads if isinstance(group, ResidentGroup) else self.unit_grads
 
-    def _residents_of(self, grads: ShardGrads) -> list[ResidentGroup]:
-        return [g for g in self.residents if g.grads is grads]
-
-    def _all_grads(self) -> list[ShardGrads]:
-        return [g for g in (self.unit_grads, self.norm_grads) if g is not None]
+        return [
+            (grads, [g for g in self._groups if grads_of(g) is grads])
+            for grads in (self.unit_grads, self.norm_grads)
+            if grads is not None
+        ]
 
     def _master_versions(self) -> tuple[int, ...]:
         return tuple(m._version for m in (self.flat_shard, self.norm_shard) if m is not None)
@@ -515,7 +380,7 @@ class YaFSDPEngine:
                 and compute.data_ptr() != master.data_ptr()
             ):
                 compute.copy_(master)
-        self.compute_version += 1
+        self.context.compute_version += 1
         self._weights_stale = False
         self._seen_master_versions = self._master_versions()
         self.scheduler.comm_waits_for_compute()
@@ -531,11 +396,7 @@ class YaFSDPEngine:
 
         A module run in row chunks appears once, as the group holding its parameters.
         """
-        return [*self._unit_groups, *self.residents]
-
-    def _grad_writers(self) -> list[FlatParamGroup]:
-        """Every group that writes grads or tracks their use: the groups and the row chunks."""
-        return self._writers
+        return list(self._groups)
 
     def named_parameter_shards(self) -> Iterator[ParamShard]:
         """This rank's part of every original parameter, by original name (first tied alias)."""
@@ -557,73 +418,32 @@ class YaFSDPEngine:
         this rank's shards on exit. On exit the modules hold the same sharded
         parameter objects as before, so optimizers stay valid.
         """
-        self._recover_from_failed_backward()
-        if self.in_backward or any(unit.is_computing for unit in self.units):
+        ctx = self.context
+        if ctx.in_backward and not ctx.inside_autograd_backward():
+            self._abandon_backward()  # the last backward raised before its end
+        if ctx.in_backward or any(unit.is_computing for unit in self.units):
             raise RuntimeError("summon_full_params() cannot be used during forward or backward")
-        full_flats = [(self._gather_full(g), self._gather_frozen(g)) for g in self.groups()]
-        for group in self.groups():
+        groups = self.groups()
+        full_flats = [(self._full.trainable(g), self._full.frozen(g)) for g in groups]
+        for group in groups:
             group.uninstall_views()  # resident views must not hide the full parameters
         for group in self.residents:
             group.forget_views()
         try:
-            for group, (flat, frozen) in zip(self.groups(), full_flats, strict=True):
+            for group, (flat, frozen) in zip(groups, full_flats, strict=True):
                 group.register_full_params(flat, frozen)
             yield
         finally:
-            for group, (flat, frozen) in zip(self.groups(), full_flats, strict=True):
+            for group, (flat, frozen) in zip(groups, full_flats, strict=True):
                 if writeback:
-                    self._write_back(group, flat, frozen)
+                    self._full.write_back(group, flat, frozen)
                 group.register_sharded_params()
             if writeback:
                 self.mark_weights_changed()
 
-    @torch.no_grad()
-    def _write_back(self, group: FlatParamGroup, flat: torch.Tensor, frozen) -> None:
-        start, end = group.layout.shard_range(self.shard_rank)
-        group.master_shard.copy_(flat[start:end])
-        if frozen is not None:
-            start, end = group.frozen_layout.shard_range(self.shard_rank)
-            group.frozen_shard.copy_(frozen[start:end])
-
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Original-name state dict with full master-dtype weights (every rank gets all of it)."""
-        state = {
-            name: tensor.detach()
-            for name, tensor in self.root.state_dict(keep_vars=True).items()
-            if not isinstance(tensor, ShardedTensor)
-        }
-        for group in self.groups():
-            placed = [(group.layout, self._gather_full(group), group.owners)]
-            if group.frozen_layout is not None:
-                placed.append(
-                    (group.frozen_layout, self._gather_frozen(group), group.frozen_owners)
-                )
-            for layout, flat, owners_list in placed:
-                for span, owners in zip(layout.spans, owners_list, strict=True):
-                    value = flat[span.offset : span.end].view(span.shape)
-                    for owner in owners:
-                        state[owner.name] = value
-        return state
-
-    def _gather_full(self, group: FlatParamGroup) -> torch.Tensor:
-        full = torch.empty(
-            group.layout.padded_numel, dtype=group.master_shard.dtype, device=self.device
-        )
-        all_gather_into(
-            full, group.master_shard, self.shard_group, async_op=False, stats=self.comm_stats
-        )
-        return full
-
-    def _gather_frozen(self, group: FlatParamGroup) -> torch.Tensor | None:
-        if group.frozen_layout is None:
-            return None
-        full = torch.empty(
-            group.frozen_layout.padded_numel, dtype=group.frozen_shard.dtype, device=self.device
-        )
-        all_gather_into(
-            full, group.frozen_shard, self.shard_group, async_op=False, stats=self.comm_stats
-        )
-        return full
+        return self._full.state_dict(self.root, self.groups())
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds, by role (shards, grads, buffers)."""
@@ -642,7 +462,7 @@ class YaFSDPEngine:
             ),
             "gather_staging": self.gather_staging.nbytes if self.gather_staging else 0,
             "frozen_shards": nbytes(self.frozen_store),
-            "grad_shards": sum(nbytes(g.window()) for g in self._all_grads()),
+            "grad_shards": sum(nbytes(g.window()) for g, _ in self.grads_by_master()),
             "weight_buffers": sum(b.nbytes for b in self.weight_buffers),
             "grad_buffers": sum(b.nbytes for b in self.grad_buffers),
             "resident_buffers": sum(
@@ -677,11 +497,18 @@ class YaFSDPEngine:
         self.optimizer_swap.close()
         for handle in self._hooks:
             handle.remove()
-        for group in self._grad_writers():
+        for group in dict.fromkeys([*self.units, *self._groups]):
             group.remove_hooks()
 
 
-_FORWARD_STATES = (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD)
+
+def _grads_of(engine: YaFSDPEngine, params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Local pieces of the sharded grads, and whole grads of replicated params."""
+    params = engine.sharded_parameters() if params is None else list(params)
+    with_grad = [p for p in params if p.grad is not None]
+    sharded = [p.grad._local for p in with_grad if isinstance(p.grad, ShardedTensor)]
+    replicated = [p.grad for p in with_grad if not isinstance(p.grad, ShardedTensor)]
+    return sharded, replicated
 
 
 def _compute_twin(master: torch.Tensor, param_dtype: torch.dtype) -> torch.Tensor:

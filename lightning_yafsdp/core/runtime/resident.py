@@ -16,53 +16,51 @@ remainder lives in the units' master parameter.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from lightning_yafsdp.core.comm.buffers import GradBuffer, WeightBuffer
 from lightning_yafsdp.core.comm.collectives import all_gather_into
 from lightning_yafsdp.core.optim.grads import ShardGrads
+from lightning_yafsdp.core.runtime.context import StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
-
-if TYPE_CHECKING:
-    from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
 
 
 class ResidentGroup(FlatParamGroup):
     """A flat group gathered once per optimizer step and reduced once per backward.
 
     Args:
-        engine: the owning engine.
+        context: the step context of the engine ([Note: step context]).
         grads: the master-dtype gradient its reduced shard is added to.
         **group_kwargs: see ``FlatParamGroup``.
     """
 
-    def __init__(self, engine: YaFSDPEngine, *, grads: ShardGrads, **group_kwargs: Any) -> None:
+    def __init__(self, context: StepContext, *, grads: ShardGrads, **group_kwargs: Any) -> None:
         super().__init__(**group_kwargs)
-        self.engine = engine
+        self.context = context
         self.grads = grads
         device = self.master_shard.device
         self.weight_buffer = WeightBuffer(
-            -1, self.layout.padded_numel, dtype=engine.param_dtype, device=device
+            -1, self.layout.padded_numel, dtype=context.param_dtype, device=device
         )
         self.grad_buffer = GradBuffer(
             -1,
             self.layout.padded_numel,
             self.layout.shard_numel,
-            dtype=engine.reduce_dtype,
+            dtype=context.reduce_dtype,
             device=device,
         )
         # Its index in collective-order tags (units use 0, 1, ...).
-        self.guard_index = -2 if grads is engine.norm_grads else -1
+        self.guard_index = -2 if grads is context.norm_grads else -1
         self._view_version = -1
         self._views_differentiable = False
         self._views_in_graph = False  # differentiable views handed out since the last backward
 
     def ensure_views(self) -> None:
         """Gather if the weights changed, and expose views fit for the current grad mode."""
-        engine = self.engine
-        version = engine.compute_version
+        ctx = self.context
+        version = ctx.compute_version
         buffer = self.weight_buffer
         if not buffer.holds(self, version):
             buffer.holder, buffer.version = self, version
@@ -70,9 +68,9 @@ class ResidentGroup(FlatParamGroup):
             # (small, once per optimizer step) is the gather source.
             source, after = self.compute_shard, None
             if source is None:
-                source = self.master_shard.to(engine.param_dtype)
-                after = engine.scheduler.compute_marker()  # the gather reads the cast
-            pending = engine.scheduler.issue(
+                source = self.master_shard.to(ctx.param_dtype)
+                after = ctx.scheduler.compute_marker()  # the gather reads the cast
+            pending = ctx.scheduler.issue(
                 "gather",
                 unit=self.name,
                 slot=None,
@@ -80,9 +78,9 @@ class ResidentGroup(FlatParamGroup):
                 launch=lambda async_op: all_gather_into(
                     buffer.tensor,
                     source,
-                    engine.shard_group,
+                    ctx.shard_group,
                     async_op=async_op,
-                    stats=engine.comm_stats,
+                    stats=ctx.comm_stats,
                 ),
                 after=after,
             )
@@ -97,7 +95,7 @@ class ResidentGroup(FlatParamGroup):
 
     def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
         if not self.has_grad_target:
-            self.engine.enter_backward()
+            self.context.enter_backward()
             self.begin_grad_writes(self.grad_buffer)
         super().accumulate_param_grad(index, grad)
 
@@ -115,20 +113,20 @@ class ResidentGroup(FlatParamGroup):
         """
         if not self._views_in_graph and not self.has_grad_target:
             return
-        engine = self.engine
+        ctx = self.context
         if not self.has_grad_target:
             self.begin_grad_writes(self.grad_buffer)
         self.finish_grad_writes()
         reduced = self.grad_buffer.reduced
-        engine.issue_reduction(
+        ctx.issue_reduction(
             unit=self.name,
             slot=None,
             tag=(self.guard_index, self.layout.padded_numel),
-            full=self.grad_buffer.tensor,
-            reduced=reduced,
+            scatter=ctx.reduce_scatter(self.grad_buffer.tensor, reduced),
+            replicate=ctx.replicate(reduced),
         ).wait()
         start, end = self.grad_range
-        self.grads.add(start, end, reduced, engine.divide_factor)
+        ctx.add_reduced(self.grads, start, end, reduced)
         # The graph that used the views is consumed; the next grad-mode forward re-creates them.
         self._views_in_graph = False
         self.uninstall_views()

@@ -28,7 +28,7 @@ exceptional ones too, goes through it.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,12 +36,10 @@ from torch import nn
 from lightning_yafsdp.core.comm.collectives import WorkList, all_gather_into
 from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.runtime.autograd import GateGradFlow, PreBackwardGate
+from lightning_yafsdp.core.runtime.context import StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
 from lightning_yafsdp.core.runtime.tensor_tree import map_tensors, tensors_in
 from lightning_yafsdp.core.runtime.unit_state import UnitLifecycle, UnitState
-
-if TYPE_CHECKING:
-    from lightning_yafsdp.core.runtime.engine import YaFSDPEngine
 
 __all__ = ["ShardedUnit", "UnitState"]
 
@@ -50,7 +48,7 @@ class ShardedUnit(FlatParamGroup):
     """One unit: a module whose parameters are gathered around its forward and backward.
 
     Args:
-        engine: the engine that owns the buffers and the schedule.
+        context: the step context of the engine: buffers, schedule ([Note: step context]).
         index: position in module order; selects the weight and grad buffers.
         modules: the unit's modules: one block, or a root unit's modules (an
             embedding, a head; several when a tied tensor joins them, each call
@@ -62,7 +60,7 @@ class ShardedUnit(FlatParamGroup):
 
     def __init__(
         self,
-        engine: YaFSDPEngine,
+        context: StepContext,
         index: int,
         modules: list[nn.Module],
         *,
@@ -70,7 +68,7 @@ class ShardedUnit(FlatParamGroup):
         **group_kwargs: Any,
     ) -> None:
         super().__init__(**group_kwargs)
-        self.engine = engine
+        self.context = context
         self.index = index
         self.modules = modules
         self.module = modules[0]
@@ -82,8 +80,8 @@ class ShardedUnit(FlatParamGroup):
         # are re-gathered as any unit.
         # (ShardingPlan.backward_reads_weights applies the same rule, for estimates.)
         self.backward_reads_weights = not all(type(m) is nn.Embedding for m in modules)
-        self.weight_buffer = engine.weight_buffers[engine.weight_slot_of[index]]
-        self.grad_buffer = engine.grad_buffers[index % len(engine.grad_buffers)]
+        self.weight_buffer = context.weight_slot(index)
+        self.grad_buffer = context.grad_slot(index)
         self.life = UnitLifecycle(self.name)
         self._hooks = []
         for module in modules:
@@ -98,6 +96,11 @@ class ShardedUnit(FlatParamGroup):
     @property
     def state(self) -> UnitState:
         return self.life.state
+
+    @property
+    def in_forward(self) -> bool:
+        """Whether the unit's forward is running (a unit called now is nested in it)."""
+        return self.life.state in (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD)
 
     @property
     def is_computing(self) -> bool:
@@ -117,7 +120,7 @@ class ShardedUnit(FlatParamGroup):
 
     def _holds_weights(self, buffer) -> bool:
         """Whether ``buffer`` holds (or is receiving) this unit's current weights."""
-        return buffer.holds(self, self.engine.compute_version)
+        return buffer.holds(self, self.context.compute_version)
 
     def _ensure_gathered(self) -> None:
         buffer = self.weight_buffer
@@ -138,11 +141,11 @@ class ShardedUnit(FlatParamGroup):
         buffer = self.weight_buffer
         if buffer.gather is not None:
             buffer.gather.wait()  # a prefetch for another unit: let it land before overwriting
-        engine = self.engine
+        ctx = self.context
         buffer.holder = self
-        buffer.version = engine.compute_version
+        buffer.version = ctx.compute_version
         launch, after, staged = self._gather_launch(buffer)
-        buffer.gather = engine.scheduler.issue(
+        buffer.gather = ctx.scheduler.issue(
             "gather",
             unit=self.name,
             slot=buffer.index,
@@ -152,19 +155,19 @@ class ShardedUnit(FlatParamGroup):
         )
         buffer.release_event = None
         if staged:
-            engine.gather_staging.readers[self.index % 2] = buffer.gather
+            ctx.staged_read(self.index, buffer.gather)
 
     def _gather_launch(self, buffer) -> tuple:
         """``(launch, after, staged)``: the collectives writing ``buffer``, the compute
         event they wait for, and whether they read gather staging ([Note: cast on gather])."""
-        engine = self.engine
+        ctx = self.context
         padded = self.layout.padded_numel
         source, after = self.compute_shard, buffer.release_event  # condition 2
         if source is None:
             # [Note: cast on gather] The cast runs on the compute stream after the
             # release point, so a marker after it orders the gather after both.
-            source = engine.gather_staging.stage(self.index % 2, self.master_shard)
-            after = engine.scheduler.compute_marker()
+            source = ctx.stage(self.index, self.master_shard)
+            after = ctx.scheduler.compute_marker()
         pieces = [(buffer.tensor[:padded], source)]
         if self.frozen_layout is not None:  # [Note: frozen shards] right after, no grads
             frozen_end = padded + self.frozen_layout.padded_numel
@@ -173,7 +176,7 @@ class ShardedUnit(FlatParamGroup):
         def launch(async_op: bool):
             works = [
                 all_gather_into(
-                    out, shard, engine.shard_group, async_op=async_op, stats=engine.comm_stats
+                    out, shard, ctx.shard_group, async_op=async_op, stats=ctx.comm_stats
                 )
                 for out, shard in pieces
             ]
@@ -184,11 +187,11 @@ class ShardedUnit(FlatParamGroup):
     def _release_weights(self, note: str) -> None:
         """The unit stops computing with its weight buffer (condition 2's release point)."""
         if note == "backward_end" and not self.backward_reads_weights:
-            self.engine.scheduler.note("backward_end_weightless", self.name, None)
+            self.context.scheduler.note("backward_end_weightless", self.name, None)
             return  # it never took the buffer for its backward
         buffer = self.weight_buffer
-        buffer.release_event = self.engine.scheduler.compute_marker()
-        self.engine.scheduler.note(note, self.name, buffer.index)
+        buffer.release_event = self.context.scheduler.compute_marker()
+        self.context.scheduler.note(note, self.name, buffer.index)
 
     # -- forward ---------------------------------------------------------------
 
@@ -206,24 +209,24 @@ class ShardedUnit(FlatParamGroup):
             # require grad make recomputation save what forward saved.
             self.install_views(self.weight_buffer.tensor, differentiable=True)
             return None
-        engine = self.engine
-        engine.begin_forward()
-        engine.refuse_nested_call(self)
+        ctx = self.context
+        ctx.begin_forward()
+        ctx.refuse_nested_call(self)
         self.refuse_unfrozen()
         grad_enabled = torch.is_grad_enabled()
-        if grad_enabled and engine.inside_autograd_backward():
+        if grad_enabled and ctx.inside_autograd_backward():
             # A reentrant checkpoint recomputes this unit inside the OUTER backward,
             # then runs a nested backward over it: the end-of-backward callback must
-            # be queued now, on the outer graph task (see engine.enter_backward).
-            engine.enter_backward()
+            # be queued now, on the outer graph task (see StepContext.enter_backward).
+            ctx.enter_backward()
         if grad_enabled and self.life.state is UnitState.BACKWARD_PAUSED:
             self._reduce()  # a new call cannot join a backward already under way
         self._ensure_gathered()
         self.life.fire("forward" if grad_enabled else "no_grad_forward")
-        engine.scheduler.note("forward_start", self.name, self.weight_buffer.index)
-        if not engine.in_backward:
-            engine.prefetch_next(self)
-        args, kwargs = engine.cast_inputs(args, kwargs)
+        ctx.scheduler.note("forward_start", self.name, self.weight_buffer.index)
+        if not ctx.in_backward:
+            ctx.prefetch_next(self)
+        args, kwargs = ctx.cast_inputs(args, kwargs)
         if not grad_enabled:
             self.install_views(self.weight_buffer.tensor, differentiable=False)
             return args, kwargs
@@ -277,19 +280,19 @@ class ShardedUnit(FlatParamGroup):
         state = self.life.state
         if state is UnitState.BACKWARD:
             return
-        engine = self.engine
-        engine.enter_backward()
+        ctx = self.context
+        ctx.enter_backward()
         if state is not UnitState.BACKWARD_PAUSED:
             self._claim_grad_buffer()
         if not self.backward_reads_weights:
             self.life.fire("pre_backward")
-            engine.scheduler.note("backward_start_weightless", self.name, None)
+            ctx.scheduler.note("backward_start_weightless", self.name, None)
             return
         self._ensure_gathered()
         self.life.fire("pre_backward")
         if not self.is_block:  # root units are never recomputed: their saved views suffice
-            engine.scheduler.note("backward_start", self.name, self.weight_buffer.index)
-            engine.prefetch_previous(self)
+            ctx.scheduler.note("backward_start", self.name, self.weight_buffer.index)
+            ctx.prefetch_previous(self)
             return
         # [Note: fresh views for recomputation] Recomputation in this backward reads
         # the module attributes. Views of the forward's gated buffer would tie a
@@ -300,8 +303,8 @@ class ShardedUnit(FlatParamGroup):
         # (Autograd runs backward hooks with grad mode off: the views need it on.)
         with torch.enable_grad():
             self.install_views(self.weight_buffer.tensor, differentiable=True)
-        engine.scheduler.note("backward_start", self.name, self.weight_buffer.index)
-        engine.prefetch_previous(self)
+        ctx.scheduler.note("backward_start", self.name, self.weight_buffer.index)
+        ctx.prefetch_previous(self)
 
     def _claim_grad_buffer(self) -> None:
         grad_buffer = self.grad_buffer
@@ -345,9 +348,9 @@ class ShardedUnit(FlatParamGroup):
             self._reduce()
 
     def _reduce(self) -> None:
-        engine = self.engine
+        ctx = self.context
         self.finish_grad_writes()
-        engine.advance_reductions()  # hybrid sharding on CPU: start earlier all_reduces
+        ctx.advance_reductions()  # hybrid sharding on CPU: start earlier all_reduces
         grad_buffer = self.grad_buffer
         grad_buffer.complete_reduce()  # the previous user's reduced shard is read first
         self.life.fire("reduce")
@@ -356,19 +359,19 @@ class ShardedUnit(FlatParamGroup):
     def _issue_reduction(self, grad_buffer) -> tuple:
         """``(on_reduced, pending)``: the reduction of ``grad_buffer`` issued, and what adds
         its result into the master-dtype grad once it is final."""
-        engine = self.engine
+        ctx = self.context
         full = grad_buffer.tensor[: self.layout.padded_numel]
         reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
         # The unit's own prefix of the shared staging tensor (units differ in size).
-        pending = engine.issue_reduction(
+        pending = ctx.issue_reduction(
             unit=self.name,
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
-            full=full,
-            reduced=reduced,
+            scatter=ctx.reduce_scatter(full, reduced),
+            replicate=ctx.replicate(reduced),
         )
-        return (lambda: engine.unit_grads.add(start, end, reduced, engine.divide_factor)), pending
+        return (lambda: ctx.add_reduced(ctx.unit_grads, start, end, reduced)), pending
 
     # -- activation checkpointing ---------------------------------------------
 
@@ -399,7 +402,7 @@ class ShardedUnit(FlatParamGroup):
         """A root unit not gathered now: its weight attributes tell shape and compute dtype.
 
         [Note: ungathered weights] Installed while a forward is under way (from the
-        engine's ``begin_forward`` and after the unit's own forward), removed at the
+        context's ``begin_forward`` and after the unit's own forward), removed at the
         end of the iteration. Blocks keep their views ([Note: views outlive forward]).
         """
         if not self.is_block:
