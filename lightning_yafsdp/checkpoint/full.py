@@ -13,7 +13,7 @@ dict (a callback's entries included) is written as a full tensor.
 Reading accepts more than we write: a Lightning/DDP checkpoint (index-keyed
 torch optimizer state, [Note: index-keyed optimizer state by position]),
 Lightning's consolidated FSDP file (``"model"`` and name-keyed ``optimizer_<i>``
-keys), our format-1 files (name-keyed) and a bare ``torch.save(model.state_dict())``.
+keys) and a bare ``torch.save(model.state_dict())``.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def save_full(
     Collective (the gathers). Atomic: written to a hidden sibling, fsynced, renamed.
 
     Args:
-        model_state: the model's state dict, sharded (``ShardedTensor`` / ``FlatRange``
-            values, gathered here) or already full on rank 0; ``engine.root.state_dict()``
+        model_state: the model's state dict, sharded (``RangeShardedTensor`` values,
+            gathered here) or already full on rank 0; ``engine.root.state_dict()``
             when None.
         optimizer_states: per optimizer, a name-keyed sharded state
             (``sharded_optimizer_state_dict``, gathered and converted here) or torch's
@@ -161,15 +161,9 @@ def load_full(
             "or load the weights only (no optimizers)"
         )
     # Check and map every optimizer state first: a mismatch then leaves the model untouched.
-    version = rest.get(FORMAT_KEY, {}).get("format_version", 2)
     index = build_index(engine, prefix=prefix)
     prepared = [
-        local_optimizer_state(
-            index,
-            optimizer,
-            _name_keyed(index, optimizer, state),
-            format_version=2 if is_index_keyed(state) else version,
-        )
+        local_optimizer_state(index, optimizer, _name_keyed(index, optimizer, state))
         for optimizer, state in zip(optimizers, optimizer_states, strict=False)
     ]
     load_full_model_state_dict(engine, model_state, prefix=prefix, strict=strict)

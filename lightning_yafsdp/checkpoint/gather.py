@@ -1,7 +1,7 @@
 """Full tensors from sharded leaves: one checkpoint tree in, the same tree with full tensors out.
 
 [Note: ragged gather of element ranges]
-Every sharded leaf (a ``ShardedTensor`` or a ``FlatRange``) holds elements
+Every sharded leaf (a ``RangeShardedTensor``) holds elements
 ``[start, end)`` of its flattened full tensor, a different count on every rank
 (possibly none). Instead of asking each leaf's owner to gather its flat group,
 the leaves of a whole checkpoint tree are gathered together, which works for
@@ -27,10 +27,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
-from lightning_yafsdp.checkpoint.ranges import FlatRange
 from lightning_yafsdp.checkpoint.trees import (
     Path,
-    as_flat_range,
     describe_path,
     map_leaves,
     sharded_leaves,
@@ -40,7 +38,7 @@ from lightning_yafsdp.core.comm.collectives import (
     all_gather_into,
     all_gather_objects,
 )
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 DEFAULT_BUCKET_NUMEL = 1 << 26  # full elements per all_gather (256 MiB of fp32)
 
@@ -87,9 +85,9 @@ def gather_full(
     """
     rank, world = world_info(group)
     found = sharded_leaves(tree)
-    ranges = [as_flat_range(v) if isinstance(v, ShardedTensor) else v for _, v in found]
+    ranges = [v for _, v in found]
     mine = [
-        (path, tuple(r.shape), str(r.dtype), r.start, r.end, _identity(r))
+        (path, tuple(r.shape), str(r.dtype), r._placement.start, r._placement.end, _identity(r))
         for (path, _), r in zip(found, ranges, strict=True)
     ]
     everyone = [mine] if world == 1 else all_gather_objects(mine, group=group)
@@ -105,17 +103,17 @@ def gather_full(
     results = {leaf.path: by_identity[leaf.identity] for leaf in leaves}
     return map_leaves(
         tree,
-        lambda path, v: results[path] if isinstance(v, (ShardedTensor, FlatRange)) else v,
+        lambda path, v: results[path] if isinstance(v, RangeShardedTensor) else v,
     )
 
 
-def _identity(flat_range: FlatRange) -> tuple:
-    local = flat_range.local
+def _identity(tensor: RangeShardedTensor) -> tuple:
+    local, placement = tensor._local, tensor._placement
     pointer = local.data_ptr() if local.numel() else None
-    return (pointer, flat_range.start, flat_range.end, tuple(flat_range.shape))
+    return (pointer, placement.start, placement.end, tuple(placement.shape))
 
 
-def _pair_leaves(everyone: list[list[tuple]], ranges: list[FlatRange]) -> list[_Leaf]:
+def _pair_leaves(everyone: list[list[tuple]], ranges: list[RangeShardedTensor]) -> list[_Leaf]:
     reference = everyone[0]
     for rank, theirs in enumerate(everyone):
         described = [(p, s, d) for p, s, d, *_ in theirs]
@@ -186,7 +184,7 @@ def _buckets(leaves: list[_Leaf], bucket_numel: int) -> list[list[int]]:
 def _gather_bucket(
     bucket: list[int],
     leaves: list[_Leaf],
-    ranges: list[FlatRange],
+    ranges: list[RangeShardedTensor],
     *,
     group,
     world: int,
@@ -201,10 +199,10 @@ def _gather_bucket(
             offsets[(position, r)] = per_rank[r]
             per_rank[r] += end - start
     longest = max(per_rank)
-    device = ranges[bucket[0]].local.device
+    device = ranges[bucket[0]]._local.device
     send = torch.zeros(longest, dtype=leaves[bucket[0]].dtype, device=device)
     if per_rank[rank]:
-        torch.cat([ranges[p].local.reshape(-1) for p in bucket], out=send[: per_rank[rank]])
+        torch.cat([ranges[p]._local.reshape(-1) for p in bucket], out=send[: per_rank[rank]])
     out = send
     if world > 1:
         out = torch.empty(longest * world, dtype=send.dtype, device=device)

@@ -31,7 +31,7 @@ from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
 from lightning_yafsdp.core.comm.streams import CommScheduler, PendingReduce, ScheduleEvent
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.optim_step import OptimizerStepSwap
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
 from lightning_yafsdp.core.runtime.resident import ResidentGroup
 from lightning_yafsdp.core.runtime.unit import ShardedUnit, UnitState
@@ -303,8 +303,8 @@ class YaFSDPEngine:
         """Local pieces of the sharded grads, and whole grads of replicated params."""
         params = self.sharded_parameters() if params is None else list(params)
         with_grad = [p for p in params if p.grad is not None]
-        sharded = [p.grad._local for p in with_grad if isinstance(p.grad, ShardedTensor)]
-        replicated = [p.grad for p in with_grad if not isinstance(p.grad, ShardedTensor)]
+        sharded = [p.grad._local for p in with_grad if isinstance(p.grad, RangeShardedTensor)]
+        replicated = [p.grad for p in with_grad if not isinstance(p.grad, RangeShardedTensor)]
         return sharded, replicated
 
     # -- called by units and resident groups ---------------------------------------
@@ -588,7 +588,7 @@ class YaFSDPEngine:
         state = {
             name: tensor.detach()
             for name, tensor in self.root.state_dict(keep_vars=True).items()
-            if not isinstance(tensor, ShardedTensor)
+            if not isinstance(tensor, RangeShardedTensor)
         }
         for group in self.groups():
             placed = [(group.layout, self._gather_full(group), group.owners)]
