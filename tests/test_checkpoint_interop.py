@@ -139,7 +139,10 @@ def test_our_checkpoint_consolidated_by_lightning_loads_into_model_parallel_stra
 
 def _fsdp2_reads_ours_with_plain_dcp_load(checkpoint: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -156,13 +159,13 @@ def _fsdp2_reads_ours_with_plain_dcp_load(checkpoint: str) -> dict[str, Any]:
         "optimizer_0": get_optimizer_state_dict(module, optimizer),
     }
     dcp.load(state, checkpoint_id=checkpoint)
+    set_optimizer_state_dict(module, optimizer, state["optimizer_0"])
+    restored = get_optimizer_state_dict(module, optimizer)  # what the optimizer now holds
     whole = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
     return {
         "weights": {name: whole(value) for name, value in module.state_dict().items()},
-        "exp_avg": {
-            name: whole(entry["exp_avg"]) for name, entry in state["optimizer_0"]["state"].items()
-        },
-        "lrs": [group["lr"] for group in state["optimizer_0"]["param_groups"]],
+        "exp_avg": {name: whole(entry["exp_avg"]) for name, entry in restored["state"].items()},
+        "lrs": [group["lr"] for group in restored["param_groups"]],
     }
 
 

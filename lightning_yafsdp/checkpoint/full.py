@@ -6,7 +6,7 @@ layout of a Lightning DDP checkpoint, so ``LightningModule.load_from_checkpoint`
 ``model.load_state_dict(ckpt["state_dict"])`` and a DDP run's
 ``optimizer.load_state_dict(ckpt["optimizer_states"][0])`` accept it. Each
 optimizer group also lists its parameters' names (``"param_names"``, torch's
-own key). Saving gathers sharded tensors in buckets and only rank 0 keeps them
+own key). Saving gathers sharded tensors one at a time and only rank 0 keeps them
 ([Note: ragged gather of element ranges]); every sharded tensor anywhere in the
 dict (a callback's entries included) is written as a full tensor.
 

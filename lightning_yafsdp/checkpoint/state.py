@@ -7,8 +7,8 @@ keys on every rank. Two shapes of it:
 
 - sharded: as it is; a ``RangeShardedTensor`` speaks DCP's protocol ([Note: element
   ranges as boxes]), so the dict is the input of a DCP save and the target of a DCP load.
-- full: every ``RangeShardedTensor`` becomes its full tensor on rank 0, gathered in
-  buckets ([Note: ragged gather of element ranges]).
+- full: every ``RangeShardedTensor`` becomes its full tensor on rank 0, gathered
+  one tensor at a time ([Note: ragged gather of element ranges]).
 
 Optimizer state dicts are in ``optimizer_state.py``.
 """
@@ -71,7 +71,7 @@ def sharded_model_state_dict(engine: YaFSDPEngine, *, prefix: str = "") -> dict[
 def full_model_state_dict(
     engine: YaFSDPEngine, *, prefix: str = "", rank0_only: bool = True, cpu: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full weights under the original names, gathered in buckets.
+    """Full weights under the original names, gathered one tensor at a time.
 
     Collective: call on every rank. With ``rank0_only`` (default) ranks other
     than 0 return ``{}``; tied aliases share one tensor.
