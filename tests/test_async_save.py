@@ -8,6 +8,8 @@
   the previous checkpoint at that path intact and resumable.
 - A background write that fails is said in one line at the next step and raised at the
   end of the fit.
+- Fabric: a ``fabric.save`` written in the background while training goes on resumes
+  exactly.
 """
 
 from __future__ import annotations
@@ -214,3 +216,44 @@ def test_a_failed_background_write_is_said_at_the_next_step_and_raised_at_the_en
 def test_async_save_with_full_checkpoints_is_refused_with_the_fix():
     with pytest.raises(ValueError, match="state_dict_type='sharded'"):
         YaFSDPStrategy(async_save=True, state_dict_type="full")
+
+
+# -- Fabric ----------------------------------------------------------------------------------
+
+
+def _fabric_async_save_and_resume(root: str) -> dict:
+    from lightning_yafsdp.fabric import YaFSDPStrategy as FabricStrategy
+    from tests import fabric_loops as fl
+
+    fabric = fl.make_fabric(FabricStrategy(async_save=True))
+    model = fabric.setup_module(fl.build_llama())
+    optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
+    losses = fl.train_steps(fabric, model, optimizer, range(3))
+    fabric.save(f"{root}/step-3", {"model": model, "optimizer": optimizer, "step": 3})
+    losses += fl.train_steps(fabric, model, optimizer, range(3, fl.STEPS))  # while it writes
+    fabric.strategy.wait_for_checkpoint()
+
+    fabric = fl.make_fabric(FabricStrategy(async_save=True))
+    model = fabric.setup_module(fl.build_llama())
+    optimizer = fabric.setup_optimizers(fl.decay_split_adamw(model))
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(f"{root}/step-3", state)
+    resumed = fl.train_steps(fabric, model, optimizer, range(state["step"], fl.STEPS))
+    fabric.strategy.teardown()
+    return {"losses": losses, "resumed": resumed}
+
+
+def test_a_fabric_background_save_resumes_exactly(tmp_path):
+    for facts in dist_run(2, _fabric_async_save_and_resume, str(tmp_path), timeout_s=240):
+        assert facts["resumed"] == facts["losses"][3:]
+
+
+def test_the_recipe_key_strategy_async_save_reaches_the_strategy():
+    from lightning_yafsdp.config import load_config
+    from lightning_yafsdp.estimate import estimate
+    from lightning_yafsdp.training.runner import build_strategy
+
+    for flag in (False, True):
+        config = load_config(None, [f"strategy.async_save={str(flag).lower()}"])
+        strategy = build_strategy(config, estimate(config, world_size=1))
+        assert strategy.options.async_save is flag
