@@ -340,6 +340,10 @@ class StrategyConfig:
         verify_checksums: Compare a resumed checkpoint's files with the CRC-32s recorded
             at save before loading it (default true; ``strategy.verify_checksums=false``
             on the command line skips it, e.g. for a checkpoint edited on purpose).
+        async_save: Write checkpoints in the background while training goes on
+            (default false): a save copies the shards to CPU memory and returns; a
+            thread writes and commits them. A failed write is said at the next step and
+            raised at the next save or at the end of the run.
         vocab_chunks: Run an embedding or head larger than a block (tied or not) in row
             chunks of at most a block each, so no buffer is vocabulary-sized; what stays
             whole is named by ``yafsdp estimate``.
@@ -353,6 +357,7 @@ class StrategyConfig:
     sync_module_states: bool = False
     shard_size: int | None = None
     verify_checksums: bool = True
+    async_save: bool = False
     vocab_chunks: bool = True
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.core.plan.meta_build import constructor_values
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def check_still_sharded(module: nn.Module, engine: YaFSDPEngine) -> None:
     added = [
         name
         for name, p in module.named_parameters()
-        if id(p) not in sharded and not isinstance(p, ShardedTensor) and p.requires_grad
+        if id(p) not in sharded and not isinstance(p, RangeShardedTensor) and p.requires_grad
     ]
     if added:
         raise RuntimeError(

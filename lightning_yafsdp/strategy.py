@@ -63,6 +63,7 @@ from lightning_yafsdp.adapters.distributed import (
 )
 from lightning_yafsdp.adapters.mesh import ShardingState
 from lightning_yafsdp.adapters.options import ShardingOptions
+from lightning_yafsdp.adapters.saving import BackgroundSaving
 from lightning_yafsdp.adapters.sharding import place_module, shard_module
 from lightning_yafsdp.checkpoint import load_lightning_checkpoint, save_lightning_checkpoint
 from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
@@ -93,7 +94,7 @@ if TYPE_CHECKING:
     from lightning_yafsdp.core.plan.sharding import CheckpointSpec
 
 
-class YaFSDPStrategy(ShardingState, ParallelStrategy):
+class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
     """Fully sharded data parallel training with YaFSDP's flat, pre-allocated buffers.
 
     Args:
@@ -146,6 +147,14 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             the load naming the file instead of resuming on damaged weights. The ranks
             share the reading; it costs about as much as reading the checkpoint once
             more (see docs/user-guide.md). Default True; False checks sizes only.
+        async_save: Write sharded checkpoints in the background: a save copies this
+            rank's shards and the training state to CPU memory and returns, and a
+            thread writes and commits them (atomically, checksummed) while training
+            goes on ([Note: background saves]). The next save, a load and the end of
+            fit wait for it; a failed write is said in one line at the next step and
+            raised at the next save or the end of fit. Costs one copy of this rank's
+            shards in CPU memory while a save is in flight. Default False; needs
+            ``state_dict_type="sharded"``.
         shard_size: Hybrid sharding (HSDP): parameters, grads and optimizer state are
             sharded over groups of this many consecutive ranks and replicated across
             the groups; gathers and reduce-scatters stay inside a group and each
@@ -186,6 +195,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         process_group_backend: str | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         verify_checksums: bool = True,
+        async_save: bool = False,
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
         vocab_chunks: bool = True,
@@ -418,7 +428,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
 
     # -- checkpoints --------------------------------------------------------------------
     # trainer.save_checkpoint builds Lightning's dict on every rank from the two state
-    # hooks below (sharded FlatRanges, or full tensors on rank 0), and save_checkpoint
+    # hooks below (RangeShardedTensors, or full tensors on rank 0), and save_checkpoint
     # hands it to lightning_yafsdp.checkpoint, which writes a DCP directory + meta.pt (or
     # one file) atomically. Loading happens after setup (restore_checkpoint_after_setup):
     # load_checkpoint copies weights and optimizer states straight into the shards and
@@ -452,6 +462,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             self.broadcast(filepath),  # every rank must write to rank 0's path
             engine=self.engine,
             state_dict_type=self.state_dict_type,
+            background=self._saver_for_save(self.engine.group),
         )
 
     @override
@@ -461,6 +472,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         trainer = self.lightning_module.trainer
         fitting = trainer.state.fn == TrainerFn.FITTING
         path = self.broadcast(checkpoint_path)
+        self.wait_for_checkpoint()  # it may be the one being written
         # [Note: one checkpoint format for Fabric and the Trainer]: refused before loading.
         extras = read_checkpoint_extras(path)
         schedulers = len(trainer.lr_scheduler_configs) if fitting else 0
@@ -496,6 +508,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         # ModelCheckpoint's top-k and last-checkpoint rotation: sharded checkpoints are
         # directories; a "last" link is removed as a link, never through it.
+        self._wait_if_writing(filepath)
         if self.is_global_zero:
             path = Path(filepath)
             if path.is_dir() and not path.is_symlink():
@@ -503,7 +516,17 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
             else:
                 path.unlink(missing_ok=True)
 
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._report_failed_save()  # [Note: background saves]: said at the next step
+        super().on_train_batch_start(batch, batch_idx)
+
     # -- the end ---------------------------------------------------------------------------
+
+    @override
+    def on_train_end(self) -> None:
+        self.wait_for_checkpoint()  # a failed background save is raised here at the latest
+        super().on_train_end()
 
     @override
     def teardown(self) -> None:
@@ -512,6 +535,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy):
         # trainer.validate()/test() after fit() reuse the sharded model.
         assert self.cluster_environment is not None
         assert self.accelerator is not None
+        self._close_saver()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -527,7 +551,7 @@ def _rebuild_weight_averages(
     # builds its AveragedModel in its own setup(), which runs before the strategy's: a
     # deep copy of the unsharded model, whose full tensors cannot be averaged with the
     # sharded parameters. Rebuilt here from the sharded module, the copy holds this rank's
-    # pieces only (ShardedTensor.__deepcopy__), so the average costs a shard, not a model,
+    # pieces only (RangeShardedTensor.__deepcopy__), so the average costs a shard, not a model,
     # and its updates and swaps are elementwise. Uses the callback's private attributes
     # of Lightning 2.6 (pinned; tests/test_param_views_callbacks.py checks they exist).
     for callback in trainer.callbacks:

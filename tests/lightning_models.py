@@ -14,7 +14,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.models.llama import Llama, LlamaConfig, hf_llama_config
 
 SEQ_LEN = 16
@@ -121,7 +121,7 @@ class CausalLMModule(pl.LightningModule):
         live = sum(
             p.numel()
             for p in self.model.parameters()
-            if not p.is_meta and not isinstance(p, ShardedTensor)
+            if not p.is_meta and not isinstance(p, RangeShardedTensor)
         )
         self.max_live_numel = max(self.max_live_numel, live)
         self.model.init_submodule(module)

@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_yafsdp  # noqa: F401 - registers strategy="yafsdp"
 from lightning_yafsdp import YaFSDPStrategy
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from tests.zoo_models import full_weights
 
 VOCAB = 32
@@ -395,7 +395,7 @@ def fit_variant(variant: Variant, strategy: str, *, initial=None, **yafsdp_optio
     return {
         "losses": module.losses,
         "parameters": [(n, tuple(p.shape), p.requires_grad) for n, p in module.named_parameters()],
-        "sharded": [n for n, p in module.named_parameters() if isinstance(p, ShardedTensor)],
+        "sharded": [n for n, p in module.named_parameters() if isinstance(p, RangeShardedTensor)],
         "initial": start.weights,
         "trained": end.weights,
         "final": full_weights(trainer, module),

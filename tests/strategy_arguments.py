@@ -65,6 +65,7 @@ CONSTRUCTOR: list[tuple[dict, str]] = [
     ({"state_dict_type": None}, "state_dict_type=None"),
     ({"verify_checksums": "no"}, "verify_checksums='no'"),
     ({"verify_checksums": None}, "verify_checksums=None"),
+    ({"async_save": "yes"}, "async_save='yes'"),
     ({"shard_size": 0}, "shard_size=0"),
     ({"shard_size": 1.5}, "shard_size=1.5"),
     ({"shard_size": "2"}, "shard_size='2'"),

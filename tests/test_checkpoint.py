@@ -25,13 +25,13 @@ from lightning_yafsdp.checkpoint import (
     CheckpointSaveError,
     NotACheckpointError,
     consolidate_checkpoint,
-    export_checkpoint,
     inspect_checkpoint,
     load_checkpoint,
     render_inspection,
     save_checkpoint,
 )
-from lightning_yafsdp.checkpoint.ranges import range_to_boxes
+from lightning_yafsdp.core.optim.sharded_param import range_to_boxes
+from lightning_yafsdp.export import export_checkpoint
 from tests import checkpoint_scenarios as sc
 from tests.distributed import RankFailedError, dist_run
 

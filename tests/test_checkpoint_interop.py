@@ -132,3 +132,57 @@ def test_our_checkpoint_consolidated_by_lightning_loads_into_model_parallel_stra
         assert facts["loaded"].keys() == facts["saved"].keys()
         for name, tensor in facts["saved"].items():
             assert torch.equal(facts["loaded"][name], tensor), name
+
+
+# -- plain torch: an FSDP2 model reads our directory with dcp.load, no code of ours -------
+
+
+def _fsdp2_reads_ours_with_plain_dcp_load(checkpoint: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1)  # other weights, so a load that does nothing shows
+    module = CausalLMModule()
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    for layer in module.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(module.model, mesh=mesh)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    state = {
+        "model": module.state_dict(),
+        # torch's own name-keyed optimizer layout is ours: state by name, groups with names.
+        "optimizer_0": get_optimizer_state_dict(module, optimizer),
+    }
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_optimizer_state_dict(module, optimizer, state["optimizer_0"])
+    restored = get_optimizer_state_dict(module, optimizer)  # what the optimizer now holds
+    whole = lambda v: v.full_tensor() if isinstance(v, DTensor) else v  # noqa: E731
+    return {
+        "weights": {name: whole(value) for name, value in module.state_dict().items()},
+        "exp_avg": {name: whole(entry["exp_avg"]) for name, entry in restored["state"].items()},
+        "lrs": [group["lr"] for group in restored["param_groups"]],
+    }
+
+
+def test_an_fsdp2_model_loads_our_directory_with_plain_dcp_load(tmp_path) -> None:
+    # Saved by 2 yafsdp ranks, read by 3 FSDP2 ranks: DCP reshards our boxes by itself.
+    trained = dist_run(2, _fit_and_save, str(tmp_path), "configure_model", timeout_s=240)[0]
+    checkpoint = tmp_path / "step-2.ckpt"
+    ours = consolidate_checkpoint(checkpoint)
+
+    ranks = dist_run(3, _fsdp2_reads_ours_with_plain_dcp_load, str(checkpoint), timeout_s=240)
+
+    for facts in ranks:
+        assert facts["weights"].keys() == trained.keys()
+        for name, tensor in trained.items():
+            assert torch.equal(facts["weights"][name], tensor), name
+        saved_state = ours["optimizer_0"]["state"]
+        assert facts["exp_avg"].keys() == saved_state.keys()
+        for name, tensor in facts["exp_avg"].items():
+            assert torch.equal(tensor, saved_state[name]["exp_avg"]), name
+        assert facts["lrs"] == [g["lr"] for g in ours["optimizer_0"]["param_groups"]]

@@ -21,7 +21,6 @@ yafsdp and DDP, and every resume that lands at 2 ranks), ``_resumes_at_3``.
 from __future__ import annotations
 
 import gc
-import os
 from datetime import timedelta
 from pathlib import Path
 
@@ -392,7 +391,7 @@ def test_on_save_checkpoint_sees_the_same_state_dict_keys_on_every_rank_as_under
     assert yafsdp[0] and yafsdp == ddp == [yafsdp[0]] * len(at_2)
 
 
-# -- torch level: format version 1, two optimizers ---------------------------------------
+# -- torch level: two optimizers, index-keyed files that do not fit --------------------
 
 
 def _three_groups(model) -> list[dict]:
@@ -403,54 +402,6 @@ def _three_groups(model) -> list[dict]:
          "weight_decay": 0.1},
         {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0},
     ]  # fmt: skip
-
-
-def _version_1_round_trip(root: str) -> dict:
-    """Version-1 checkpoints (one group per master: units with decay, norms without).
-
-    Written as version 1 wrote them, by name, with its two groups over the same
-    parameters, and marked ``format_version`` 1: the sharded directory, and a full
-    file whose ``step`` is ONE tensor shared by every name (version 1 repeated it).
-    Both load into an optimizer with three groups.
-    """
-    model, engine, _ = sc.build_sharded()
-    named = list(model.named_parameters())
-    norms = [p for n, p in named if "norm" in n]
-    units = [p for n, p in named if "norm" not in n]
-    groups = [{"params": units, "weight_decay": 0.1}, {"params": norms, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=1e-2)
-    sc.train_steps(model, optimizer, range(3))
-    save_checkpoint(f"{root}/v1", engine, optimizers=[optimizer])
-    if engine.rank == 0:
-        _mark_version_1(f"{root}/v1", f"{root}/v1.pt")
-    torch.distributed.barrier()
-    sc.train_steps(model, optimizer, range(3, 6))
-    expected = sc.full_weights(engine)
-    result = {}
-    for name in ("v1", "v1.pt"):
-        model, engine, _ = sc.build_sharded(seed=1)
-        optimizer = torch.optim.AdamW(_three_groups(model), lr=1e-3)  # lr comes from the file
-        load_checkpoint(f"{root}/{name}", engine, optimizers=[optimizer])
-        lrs = [g["lr"] for g in optimizer.param_groups]
-        sc.train_steps(model, optimizer, range(3, 6))
-        result[name] = {"difference": sc.max_difference(sc.full_weights(engine), expected),
-                        "lrs": lrs}  # fmt: skip
-    return result
-
-
-def _mark_version_1(directory: str, full_file: str) -> None:
-    meta = torch.load(f"{directory}/meta.pt", weights_only=False)
-    meta["yafsdp"]["format_version"] = 1
-    torch.save(meta, f"{directory}/meta.pt")
-    # Version-1 directories predate the manifest (and this meta.pt no longer matches it).
-    os.remove(f"{directory}/yafsdp-manifest.json")
-    consolidated = consolidate_checkpoint(directory)
-    optimizer = consolidated["optimizer_0"]
-    step = next(iter(optimizer["state"].values()))["step"]
-    for entry in optimizer["state"].values():
-        entry["step"] = step
-    version_1 = {"state_dict": consolidated["model"], "optimizer_states": [optimizer]}
-    torch.save({**version_1, "yafsdp": {"format_version": 1}}, full_file)
 
 
 class _TwoOptimizers:
@@ -528,7 +479,6 @@ def _swapped_first_two(groups: list[dict]) -> list[dict]:
 
 def _torch_level_runs(root: str) -> dict:
     return {
-        **_version_1_round_trip(root),
         **_two_optimizers_round_trip(root),
         "errors": _index_keyed_errors(root),
     }
@@ -537,12 +487,6 @@ def _torch_level_runs(root: str) -> dict:
 @pytest.fixture(scope="module")
 def torch_level(tmp_path_factory) -> dict:
     return dist_run(2, _torch_level_runs, str(tmp_path_factory.mktemp("torch-level")))[0]
-
-
-@pytest.mark.parametrize("name", ["v1", "v1.pt"])
-def test_a_version_1_checkpoint_loads_into_an_optimizer_with_other_groups(torch_level, name):
-    assert torch_level[name]["lrs"] == [1e-2] * 3
-    assert torch_level[name]["difference"] == 0.0
 
 
 @pytest.mark.parametrize("name", ["two", "two.pt"])

@@ -120,7 +120,7 @@ def test_hf_export_holds_the_byte_tokenizer_the_run_trained_with(hf_dir) -> None
 def test_a_checkpoint_without_its_run_config_gets_no_tokenizer_and_is_told_why(
     tmp_path,
 ) -> None:
-    from lightning_yafsdp.checkpoint.hf_export import write_tokenizer
+    from lightning_yafsdp.export.hugging_face import write_tokenizer
 
     line = write_tokenizer(tmp_path, None)
     assert line.startswith("no tokenizer written") and "--run-config" in line

@@ -240,7 +240,7 @@ def test_summon_full_params_and_named_shards() -> None:
     # Outside forward the attribute is the sharded parameter: full shape, this rank's piece.
     kind, shape, local_numel = result["outside_forward"]
     shards, shapes = result["shards"], result["shapes"]
-    assert (kind, shape) == ("ShardedTensor", (64, 64))
+    assert (kind, shape) == ("RangeShardedTensor", (64, 64))
     assert local_numel == shards.get("layers.1.attention.wq.weight", (0, 0, 0))[2]
     assert result["logits_finite"]
     # Rank 0 owns the first half of each unit's flat tensor: a prefix of its first params.

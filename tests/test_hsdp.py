@@ -242,17 +242,17 @@ def saved_at_4(tmp_path_factory) -> tuple[Path, dict]:
 def test_only_the_first_replica_writes_weights_and_optimizer_state(saved_at_4):
     _, facts = saved_at_4
 
-    # Ranks 2 and 3 (the second replica) write only what DCP spreads over all ranks
-    # (param group hyperparameters, scalar ``step`` counters), never a weight or a
-    # per-element state tensor.
+    # Ranks 2 and 3 (the second replica) hold the same boxes as ranks 0 and 1; DCP's
+    # deduplication keeps the lowest rank's, so they write no weight and no per-element
+    # state tensor (at most objects and scalars, if any).
     def is_sharded(name: str) -> bool:
         return name.startswith("model.") or (".state." in name and not name.endswith(".step"))
 
     for rank in (2, 3):
-        tensors = [n for n in facts["items"][rank] if is_sharded(n)]
+        tensors = [n for n in facts["items"].get(rank, []) if is_sharded(n)]
         assert tensors == [], f"rank {rank} wrote {tensors[:3]}"
     hsdp, flat = facts["bytes"]["hsdp"], facts["bytes"]["flat"]
-    assert hsdp[2] + hsdp[3] < 0.15 * (hsdp[0] + hsdp[1])
+    assert hsdp.get(2, 0) + hsdp.get(3, 0) < 0.15 * (hsdp[0] + hsdp[1])
     # Together the ranks write what the flat checkpoint holds, not twice that.
     assert sum(hsdp.values()) < 1.1 * sum(flat.values())
 

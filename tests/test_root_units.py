@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_yafsdp.core import shard_model
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from tests import core_probes
 from tests.core_probes import batch, tiny_llama, train_step
 from tests.distributed import dist_run
@@ -61,7 +61,7 @@ def test_embedding_and_head_are_units_in_module_order(facts: dict) -> None:
 
 def test_their_weights_are_absent_between_steps(facts: dict) -> None:
     for name in ROOT_UNITS:
-        assert facts["between_steps"][name] == "ShardedTensor"
+        assert facts["between_steps"][name] == "RangeShardedTensor"
         assert not facts["between_steps"][f"{name}_in_dict"]  # no gathered view left
     # The weight buffers were taken over by the blocks after the embedding's forward and
     # backward: the embedding holds none (it is the last unit of backward: it may).
@@ -158,7 +158,7 @@ class _TwoLinear(nn.Module):
 def _is_sharded_after(reduce_dtype) -> bool:
     model = _TwoLinear()
     shard_model(model, reduce_dtype=reduce_dtype)
-    return isinstance(model.layers[0].weight, ShardedTensor)
+    return isinstance(model.layers[0].weight, RangeShardedTensor)
 
 
 def test_a_reduce_dtype_the_backend_supports_is_accepted() -> None:

@@ -47,8 +47,8 @@ def test_names_shapes_and_dims_are_the_unsharded_models(world_size: int) -> None
         assert facts["is_parameter"]
         assert facts["submodule_names"][:2] == ["norm.weight", "norm.bias"]
         # During forward the parameters stay sharded; the attribute is the gathered view.
-        assert facts["in_forward"] == {"params": ["ShardedTensor"], "attribute": "Tensor"}
-        assert facts["outside_forward"] == "ShardedTensor"
+        assert facts["in_forward"] == {"params": ["RangeShardedTensor"], "attribute": "Tensor"}
+        assert facts["outside_forward"] == "RangeShardedTensor"
         # The p.dim() split selects what it selects on the unsharded model.
         assert facts["group_sizes"] == facts["reference_group_sizes"] == [9, 12, 1]
 
@@ -80,7 +80,7 @@ def test_unused_parameters_are_not_moved() -> None:
 
 
 def test_custom_elementwise_optimizer_keeps_sharded_state() -> None:
-    assert sharded(2, True)[0]["second_state_types"] == ["ShardedTensor"]
+    assert sharded(2, True)[0]["second_state_types"] == ["RangeShardedTensor"]
     assert sharded(2, False)[0]["second_state_types"] == ["Tensor"]
 
 
@@ -109,7 +109,7 @@ def test_what_cannot_work_on_a_piece_raises_with_the_fix() -> None:
 
 def test_copies_and_saves_hold_this_ranks_pieces_only() -> None:
     for facts in refusals():
-        assert facts["copy_types"] == ["ShardedTensor"]
+        assert facts["copy_types"] == ["RangeShardedTensor"]
         assert not facts["copy_shares_storage"]
         assert "sharded" in facts["copy_forward"]
         assert facts["saved_bytes"] < 0.75 * facts["full_bytes"]

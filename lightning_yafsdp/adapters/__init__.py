@@ -12,6 +12,7 @@ engine logic and neither writes them twice:
 - ``distributed.py``: the process group, barrier and broadcast.
 - ``mesh.py``: the shard and replicate groups, built once per strategy; ``hosts.py``:
   the warning when a shard group spans more machines than it needs.
+- ``saving.py``: ``async_save=True``: when a background save is waited for and reported.
 
 The checkpoint entries both write are ``checkpoint/entries.py``. Nothing here imports
 ``lightning.pytorch``, so a Fabric-only program never loads it.

@@ -276,6 +276,7 @@ SHARDING_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "process_group_backend": check_process_group_backend,
     "state_dict_type": check_state_dict_type,
     "verify_checksums": check_bool,
+    "async_save": check_bool,
     "shard_size": check_shard_size,
     "device_mesh": check_device_mesh,
 }

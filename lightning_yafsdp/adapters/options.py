@@ -56,6 +56,7 @@ class ShardingOptions:
     process_group_backend: str | None = None
     state_dict_type: StateDictType = "sharded"
     verify_checksums: bool = True
+    async_save: bool = False
     shard_size: int | None = None
     device_mesh: Any = None  # a DeviceMesh or (replicas, shard_size)
     vocab_chunks: bool = True
@@ -66,6 +67,12 @@ class ShardingOptions:
         for field in fields(self):
             canonical = SHARDING_CHECKS[field.name](field.name, getattr(self, field.name))
             object.__setattr__(self, field.name, canonical)
+        if self.async_save and self.state_dict_type == "full":
+            raise ValueError(
+                "async_save=True writes sharded checkpoints in the background, but "
+                "state_dict_type='full' gathers one file on rank 0, which is written at "
+                "once: pass state_dict_type='sharded' (the default) or async_save=False"
+            )
         if self.shard_size is not None and self.device_mesh is not None:
             raise ValueError(
                 f"shard_size={self.shard_size} and device_mesh={self.device_mesh!r} are both "

@@ -9,8 +9,9 @@ Torch-level API (the Lightning strategy wires the same functions into Lightning)
 
 Layout of a sharded checkpoint (``sharded.py``): a ``torch.distributed.checkpoint``
 directory whose tensors have the ORIGINAL names and full shapes (each rank writes
-its element ranges as boxes, ``ranges.py``) plus ``meta.pt``, the layout Lightning's
-FSDP strategy writes, so ``python -m lightning.pytorch.utilities.consolidate_checkpoint``
+its element ranges as boxes through DCP's own protocol with DCP's default planners,
+[Note: element ranges as boxes]) plus ``meta.pt``, the layout Lightning's FSDP
+strategy writes, so ``python -m lightning.pytorch.utilities.consolidate_checkpoint``
 turns it into a single file. Optimizer state is per parameter, by name, with every
 param group's hyperparameters (``optimizer_state.py``); a full file uses torch's own
 optimizer layout (``torch_layout.py``), so DDP loads it. Saves are atomic (``atomic.py``);
@@ -29,7 +30,6 @@ import torch
 from lightning_yafsdp.checkpoint.consolidate import (
     consolidate_checkpoint,
     consolidated_state_dict,
-    export_checkpoint,
     inspect_checkpoint,
     render_inspection,
 )
@@ -50,7 +50,6 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     load_full_optimizer_state_dict,
     sharded_optimizer_state_dict,
 )
-from lightning_yafsdp.checkpoint.ranges import FlatRange
 from lightning_yafsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
 from lightning_yafsdp.checkpoint.state import (
     full_model_state_dict,
@@ -110,11 +109,9 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointSaveError",
     "DamagedCheckpointError",
-    "FlatRange",
     "NotACheckpointError",
     "consolidate_checkpoint",
     "consolidated_state_dict",
-    "export_checkpoint",
     "full_model_state_dict",
     "full_optimizer_state_dict",
     "inspect_checkpoint",

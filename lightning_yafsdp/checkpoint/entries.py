@@ -3,7 +3,7 @@
 Shared by the Trainer strategy and Fabric's ``fabric.save`` (``fabric_format.py``).
 
 ``"sharded"``: the module's own ``state_dict()`` (an override is honoured), whose
-trainable values are ``ShardedTensor``s written as this rank's ranges, and the
+trainable values are ``RangeShardedTensor``s written as this rank's ranges, and the
 name-keyed optimizer state as ranges. ``"full"``: whole tensors gathered to rank 0 one
 group at a time (``{}`` on the other ranks). Both are collective for ``"full"``.
 """

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_yafsdp.checkpoint.background import BackgroundSaver
 from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
 from lightning_yafsdp.checkpoint.full import (
@@ -62,8 +63,12 @@ def save_fabric_checkpoint(
     *,
     state_dict_type: StateDictType,
     filter: Filter | None = None,
+    background: BackgroundSaver | None = None,
 ) -> None:
-    """Write a Fabric state (collective, atomic); ``filter`` as in ``fabric.save``."""
+    """Write a Fabric state (collective, atomic); ``filter`` as in ``fabric.save``.
+
+    ``background``: a sharded save is written by that saver ([Note: background saves]).
+    """
     filter = dict(filter or {})
     module_key, module, engine = sharded_module_in(state, action="save")
     checkpoint: dict[str, Any] = {}
@@ -102,6 +107,7 @@ def save_fabric_checkpoint(
             extra={**checkpoint, FABRIC_KEYS: names},
             model_state=model_state,
             optimizer_states=optimizer_states,
+            background=background,
         )
 
 

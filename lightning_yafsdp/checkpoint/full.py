@@ -6,14 +6,14 @@ layout of a Lightning DDP checkpoint, so ``LightningModule.load_from_checkpoint`
 ``model.load_state_dict(ckpt["state_dict"])`` and a DDP run's
 ``optimizer.load_state_dict(ckpt["optimizer_states"][0])`` accept it. Each
 optimizer group also lists its parameters' names (``"param_names"``, torch's
-own key). Saving gathers sharded tensors in buckets and only rank 0 keeps them
+own key). Saving gathers sharded tensors one at a time and only rank 0 keeps them
 ([Note: ragged gather of element ranges]); every sharded tensor anywhere in the
 dict (a callback's entries included) is written as a full tensor.
 
 Reading accepts more than we write: a Lightning/DDP checkpoint (index-keyed
 torch optimizer state, [Note: index-keyed optimizer state by position]),
 Lightning's consolidated FSDP file (``"model"`` and name-keyed ``optimizer_<i>``
-keys), our format-1 files (name-keyed) and a bare ``torch.save(model.state_dict())``.
+keys) and a bare ``torch.save(model.state_dict())``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     named_param_groups,
     sharded_optimizer_state_dict,
 )
-from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, describe_non_checkpoint, format_info
+from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, format_info
 from lightning_yafsdp.checkpoint.state import (
     gather_shards,
     load_full_model_state_dict,
@@ -46,7 +46,7 @@ from lightning_yafsdp.checkpoint.torch_layout import (
     to_torch_layout,
 )
 from lightning_yafsdp.checkpoint.trees import has_sharded_leaves, map_leaves, tensor_bytes
-from lightning_yafsdp.checkpoint.verify import verify_checkpoint
+from lightning_yafsdp.checkpoint.verify import describe_non_checkpoint, verify_checkpoint
 from lightning_yafsdp.core import YaFSDPEngine
 
 STATE_DICT_KEY = "state_dict"
@@ -73,8 +73,8 @@ def save_full(
     Collective (the gathers). Atomic: written to a hidden sibling, fsynced, renamed.
 
     Args:
-        model_state: the model's state dict, sharded (``ShardedTensor`` / ``FlatRange``
-            values, gathered here) or already full on rank 0; ``engine.root.state_dict()``
+        model_state: the model's state dict, sharded (``RangeShardedTensor`` values,
+            gathered here) or already full on rank 0; ``engine.root.state_dict()``
             when None.
         optimizer_states: per optimizer, a name-keyed sharded state
             (``sharded_optimizer_state_dict``, gathered and converted here) or torch's
@@ -161,15 +161,9 @@ def load_full(
             "or load the weights only (no optimizers)"
         )
     # Check and map every optimizer state first: a mismatch then leaves the model untouched.
-    version = rest.get(FORMAT_KEY, {}).get("format_version", 2)
     index = build_index(engine, prefix=prefix)
     prepared = [
-        local_optimizer_state(
-            index,
-            optimizer,
-            _name_keyed(index, optimizer, state),
-            format_version=2 if is_index_keyed(state) else version,
-        )
+        local_optimizer_state(index, optimizer, _name_keyed(index, optimizer, state))
         for optimizer, state in zip(optimizers, optimizer_states, strict=False)
     ]
     load_full_model_state_dict(engine, model_state, prefix=prefix, strict=strict)

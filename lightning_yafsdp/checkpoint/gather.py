@@ -1,63 +1,28 @@
 """Full tensors from sharded leaves: one checkpoint tree in, the same tree with full tensors out.
 
 [Note: ragged gather of element ranges]
-Every sharded leaf (a ``ShardedTensor`` or a ``FlatRange``) holds elements
-``[start, end)`` of its flattened full tensor, a different count on every rank
-(possibly none). Instead of asking each leaf's owner to gather its flat group,
-the leaves of a whole checkpoint tree are gathered together, which works for
-any leaf, whoever holds its storage: the engine's master shards, an
-``AveragedModel``'s deep copy, optimizer state. First one ``all_gather_object``
-of each leaf's ``(path, shape, dtype, start, end)``: it pairs leaves across
-ranks, checks that the tree is the same everywhere (otherwise every rank raises
-the same error instead of hanging in a collective), and tells rank 0 where
-each rank's elements go. Then the leaves go in buckets of about
-``bucket_numel`` full elements: each rank concatenates its pieces, pads to the
-longest rank's count, one ``all_gather``; the keeping ranks cut the pieces back
-out. So no rank ever holds more than one bucket unsharded beyond what it keeps.
-Leaves that are the same tensor on every rank (tied aliases) are gathered once
-and share the result.
+Every ``RangeShardedTensor`` holds elements ``[start, end)`` of its flattened full
+tensor, a different count on every rank (possibly none), whoever holds its storage
+(the engine's master shards, an ``AveragedModel``'s deep copy, optimizer state). One
+``all_gather_object`` of every leaf's ``(path, shape, dtype, start, end)`` pairs the
+leaves across ranks, checks that the tree is the same everywhere (otherwise every rank
+raises the same error instead of hanging in a collective) and gives each rank's count;
+then each leaf is one ``all_gather`` of the pieces, padded to the longest, cut back out
+and kept (on CPU) where asked. So no rank holds more than one tensor unsharded beyond
+what it keeps. Tied aliases (the same piece under two paths) are gathered once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
-from lightning_yafsdp.checkpoint.ranges import FlatRange
-from lightning_yafsdp.checkpoint.trees import (
-    Path,
-    as_flat_range,
-    describe_path,
-    map_leaves,
-    sharded_leaves,
-)
-from lightning_yafsdp.core.comm.collectives import (
-    CommStats,
-    all_gather_into,
-    all_gather_objects,
-)
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
-
-DEFAULT_BUCKET_NUMEL = 1 << 26  # full elements per all_gather (256 MiB of fp32)
-
-
-@dataclass(frozen=True)
-class _Leaf:
-    """One sharded leaf as every rank sees it."""
-
-    path: Path
-    shape: torch.Size
-    dtype: torch.dtype
-    pieces: tuple[tuple[int, int], ...]  # (start, end) per rank
-    identity: tuple  # per rank: what makes two leaves the same tensor there
-
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+from lightning_yafsdp.checkpoint.trees import describe_path, map_leaves, sharded_leaves
+from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into, all_gather_objects
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
 def world_info(group=None) -> tuple[int, int]:
@@ -68,91 +33,77 @@ def world_info(group=None) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def gather_full(
-    tree: Any,
-    *,
-    group=None,
-    rank0_only: bool = True,
-    cpu: bool = True,
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL,
-) -> Any:
+def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = True) -> Any:
     """``tree`` with every sharded leaf replaced by its full tensor (see the note above).
 
-    Collective over ``group``: every rank calls it with a tree of the same
-    structure. With ``rank0_only`` (default) the other ranks get ``None`` leaves.
+    Collective over ``group``: every rank calls it with a tree of the same structure.
+    With ``rank0_only`` (default) the other ranks get ``None`` leaves.
 
     Raises:
-        CheckpointMismatchError: on every rank, if the ranks' trees differ or a
-            leaf's pieces do not tile its tensor.
+        CheckpointMismatchError: on every rank, if the ranks' trees differ or a leaf's
+            pieces do not tile its tensor.
     """
     rank, world = world_info(group)
     found = sharded_leaves(tree)
-    ranges = [as_flat_range(v) if isinstance(v, ShardedTensor) else v for _, v in found]
-    mine = [
-        (path, tuple(r.shape), str(r.dtype), r.start, r.end, _identity(r))
-        for (path, _), r in zip(found, ranges, strict=True)
-    ]
+    mine = [(path, tuple(v.shape), str(v.dtype), *_range(v), _identity(v)) for path, v in found]
     everyone = [mine] if world == 1 else all_gather_objects(mine, group=group)
-    leaves = _pair_leaves(everyone, ranges)
+    _check_same_tree(everyone)
     keep = rank == 0 or not rank0_only
     by_identity: dict[tuple, torch.Tensor | None] = {}
-    for bucket in _buckets(leaves, bucket_numel):
-        gathered = _gather_bucket(bucket, leaves, ranges, group=group, world=world, keep=keep)
-        for position, full in gathered.items():
-            if cpu and full is not None:
-                full = full.cpu()
-            by_identity[leaves[position].identity] = full
-    results = {leaf.path: by_identity[leaf.identity] for leaf in leaves}
+    results = {}
+    for position, (path, value) in enumerate(found):
+        identity = tuple(theirs[position][5] for theirs in everyone)
+        if identity not in by_identity:
+            pieces = [(theirs[position][3], theirs[position][4]) for theirs in everyone]
+            _check_tiling(path, value.shape, pieces)
+            full = _gather_one(value, pieces, group=group, world=world)
+            by_identity[identity] = (full.cpu() if cpu else full) if keep else None
+        results[path] = by_identity[identity]
     return map_leaves(
-        tree,
-        lambda path, v: results[path] if isinstance(v, (ShardedTensor, FlatRange)) else v,
+        tree, lambda path, v: results[path] if isinstance(v, RangeShardedTensor) else v
     )
 
 
-def _identity(flat_range: FlatRange) -> tuple:
-    local = flat_range.local
-    pointer = local.data_ptr() if local.numel() else None
-    return (pointer, flat_range.start, flat_range.end, tuple(flat_range.shape))
+def _range(value: RangeShardedTensor) -> tuple[int, int]:
+    return value._placement.start, value._placement.end
 
 
-def _pair_leaves(everyone: list[list[tuple]], ranges: list[FlatRange]) -> list[_Leaf]:
-    reference = everyone[0]
+def _identity(value: RangeShardedTensor) -> tuple:
+    local = value._local
+    return (local.data_ptr() if local.numel() else None, *_range(value), tuple(value.shape))
+
+
+def _gather_one(value: RangeShardedTensor, pieces: list, *, group, world: int) -> torch.Tensor:
+    longest = max(end - start for start, end in pieces)
+    send = torch.zeros(longest, dtype=value.dtype, device=value._local.device)
+    send[: value._local.numel()].copy_(value._local.reshape(-1))
+    out = send
+    if world > 1:
+        out = torch.empty(longest * world, dtype=send.dtype, device=send.device)
+        all_gather_into(out, send, group, async_op=False, stats=CommStats())
+    full = torch.empty(value.shape.numel(), dtype=send.dtype, device=send.device)
+    for r, (start, end) in enumerate(pieces):
+        full[start:end] = out[r * longest : r * longest + end - start]
+    return full.view(value.shape)
+
+
+def _check_same_tree(everyone: list[list[tuple]]) -> None:
+    reference = {p: (s, d) for p, s, d, *_ in everyone[0]}
     for rank, theirs in enumerate(everyone):
-        described = [(p, s, d) for p, s, d, *_ in theirs]
-        if described != [(p, s, d) for p, s, d, *_ in reference]:
-            raise CheckpointMismatchError(_difference(reference, theirs, rank))
-    leaves = []
-    for position, (path, shape, *_rest) in enumerate(reference):
-        pieces = tuple((theirs[position][3], theirs[position][4]) for theirs in everyone)
-        _check_tiling(path, shape, pieces)
-        leaves.append(
-            _Leaf(
-                path=path,
-                shape=torch.Size(shape),
-                dtype=ranges[position].dtype,
-                pieces=pieces,
-                identity=tuple(theirs[position][5] for theirs in everyone),
-            )
+        if [(p, s, d) for p, s, d, *_ in theirs] == [(p, s, d) for p, s, d, *_ in everyone[0]]:
+            continue
+        other = {p: (s, d) for p, s, d, *_ in theirs}
+        only_0 = ", ".join(describe_path(p) for p in reference if p not in other) or "none"
+        only_r = ", ".join(describe_path(p) for p in other if p not in reference) or "none"
+        raise CheckpointMismatchError(
+            f"the checkpoint dict holds different sharded tensors on rank 0 and rank {rank} "
+            f"(only on rank 0: {only_0}; only on rank {rank}: {only_r}; or other shapes, "
+            "dtypes or order); every rank must build the same checkpoint (e.g. an "
+            "on_save_checkpoint or state_dict() override must not depend on the rank)"
         )
-    return leaves
 
 
-def _difference(reference: list[tuple], theirs: list[tuple], rank: int) -> str:
-    ours = {p: (s, d) for p, s, d, *_ in reference}
-    other = {p: (s, d) for p, s, d, *_ in theirs}
-    only_0 = ", ".join(describe_path(p) for p in ours if p not in other) or "none"
-    only_r = ", ".join(describe_path(p) for p in other if p not in ours) or "none"
-    differ = ", ".join(describe_path(p) for p in ours if p in other and ours[p] != other[p])
-    return (
-        f"the checkpoint dict holds different sharded tensors on rank 0 and rank {rank} "
-        f"(only on rank 0: {only_0}; only on rank {rank}: {only_r}; other shape or dtype: "
-        f"{differ or 'none'}, or another order); every rank must build the same "
-        "checkpoint (e.g. an on_save_checkpoint or state_dict() override must not depend on "
-        "the rank)"
-    )
-
-
-def _check_tiling(path: Path, shape: tuple, pieces: tuple[tuple[int, int], ...]) -> None:
+def _check_tiling(path: tuple, shape: torch.Size, pieces: list[tuple[int, int]]) -> None:
     cursor = 0
     for start, end in sorted(p for p in pieces if p[1] > p[0]):
         if start != cursor:
@@ -161,62 +112,6 @@ def _check_tiling(path: Path, shape: tuple, pieces: tuple[tuple[int, int], ...])
     if cursor != torch.Size(shape).numel():
         raise CheckpointMismatchError(
             f"the sharded tensor at {describe_path(path)} (shape {tuple(shape)}) has pieces "
-            f"{list(pieces)} on the ranks, which do not cover its elements exactly once; it "
+            f"{pieces} on the ranks, which do not cover its elements exactly once; it "
             "does not come from one sharded model on this process group"
         )
-
-
-def _buckets(leaves: list[_Leaf], bucket_numel: int) -> list[list[int]]:
-    """Positions of leaves, split into runs of one dtype and about ``bucket_numel`` elements."""
-    buckets: list[list[int]] = []
-    seen: set[tuple] = set()
-    numel, dtype = 0, None
-    for position, leaf in enumerate(leaves):
-        if leaf.identity in seen:
-            continue  # a tied alias: gathered with its first occurrence
-        seen.add(leaf.identity)
-        if not buckets or leaf.dtype != dtype or numel + leaf.numel > bucket_numel:
-            buckets.append([])
-            numel, dtype = 0, leaf.dtype
-        buckets[-1].append(position)
-        numel += leaf.numel
-    return buckets
-
-
-def _gather_bucket(
-    bucket: list[int],
-    leaves: list[_Leaf],
-    ranges: list[FlatRange],
-    *,
-    group,
-    world: int,
-    keep: bool,
-) -> dict[int, torch.Tensor | None]:
-    """All-gather the pieces of the leaves at ``bucket``; full tensors where ``keep``."""
-    rank = world_info(group)[0]
-    per_rank = [0] * world  # elements each rank sends
-    offsets: dict[tuple[int, int], int] = {}  # (leaf, rank) -> where its piece starts
-    for position in bucket:
-        for r, (start, end) in enumerate(leaves[position].pieces):
-            offsets[(position, r)] = per_rank[r]
-            per_rank[r] += end - start
-    longest = max(per_rank)
-    device = ranges[bucket[0]].local.device
-    send = torch.zeros(longest, dtype=leaves[bucket[0]].dtype, device=device)
-    if per_rank[rank]:
-        torch.cat([ranges[p].local.reshape(-1) for p in bucket], out=send[: per_rank[rank]])
-    out = send
-    if world > 1:
-        out = torch.empty(longest * world, dtype=send.dtype, device=device)
-        all_gather_into(out, send, group, async_op=False, stats=CommStats())
-    if not keep:
-        return dict.fromkeys(bucket)
-    gathered = {}
-    for position in bucket:
-        leaf = leaves[position]
-        full = torch.empty(leaf.numel, dtype=send.dtype, device=device)
-        for r, (start, end) in enumerate(leaf.pieces):
-            begin = r * longest + offsets[(position, r)]
-            full[start:end] = out[begin : begin + end - start]
-        gathered[position] = full.view(leaf.shape)
-    return gathered

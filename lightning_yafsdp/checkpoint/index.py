@@ -1,7 +1,7 @@
 """Every parameter of a sharded engine by name, for checkpointing.
 
 After ``shard_model`` each parameter of a unit, trainable or frozen, and each
-trainable resident parameter is a ``ShardedTensor`` in its own module
+trainable resident parameter is a ``RangeShardedTensor`` in its own module
 (``engine.sharded_parameters(frozen=True)``, one object per tied set): its
 ``_placement`` says its names, full shape and which elements ``[start, end)``
 this rank holds, and ``_local`` is that piece, a view into the engine's flat
@@ -30,7 +30,7 @@ class IndexedParam:
         shape: the full parameter's shape.
         start: first element of the flattened parameter held here.
         end: one past the last (``start == end``: this rank holds none).
-        param: the sharded parameter itself, an ``nn.Parameter`` of type ``ShardedTensor``
+        param: the sharded parameter itself, an ``nn.Parameter`` of type ``RangeShardedTensor``
             (what optimizers hold).
     """
 

@@ -2,7 +2,7 @@
 
 Lightning's ``trainer.save_checkpoint`` builds one dict on every rank:
 ``"state_dict"`` (from ``strategy.lightning_module_state_dict()``: the module's
-own ``state_dict()``, ``ShardedTensor`` values), ``"optimizer_states"`` (from
+own ``state_dict()``, ``RangeShardedTensor`` values), ``"optimizer_states"`` (from
 ``strategy.optimizer_state(opt)``) and the rest (loops, schedulers, callbacks,
 hyperparameters; a ``WeightAveraging`` callback moves our weights to
 ``"current_model_state"`` and puts its averaged ones in ``"state_dict"``). Every
@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 
+from lightning_yafsdp.checkpoint.background import BackgroundSaver
 from lightning_yafsdp.checkpoint.full import (
     OPTIMIZER_STATES_KEY,
     STATE_DICT_KEY,
@@ -39,27 +40,34 @@ def save_lightning_checkpoint(
     *,
     engine: YaFSDPEngine,
     state_dict_type: StateDictType = "sharded",
+    background: BackgroundSaver | None = None,
 ) -> None:
     """Write Lightning's checkpoint dict: a DCP directory + ``meta.pt``, or one file.
 
-    Collective. ``checkpoint["state_dict"]`` holds ``ShardedTensor``s / ``FlatRange``s
+    Collective. ``checkpoint["state_dict"]`` holds ``RangeShardedTensor``s
     and plain tensors (or, for ``"full"``, rank 0's full tensors);
     ``checkpoint["optimizer_states"]`` come from ``sharded_optimizer_state_dict``
     (either type) or ``full_optimizer_state_dict`` (``"full"``). The dict itself
-    is not modified.
+    is not modified. ``background``: written by that saver's thread ([Note: background
+    saves]; sharded only).
     """
     rest = dict(checkpoint)
     model_state = rest.pop(STATE_DICT_KEY)
     optimizer_states = rest.pop(OPTIMIZER_STATES_KEY, [])
     if state_dict_type not in ("sharded", "full"):
         raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
-    save = save_sharded if state_dict_type == "sharded" else save_full
-    save(
+    if state_dict_type == "full":
+        save_full(
+            path, engine, extra=rest, model_state=model_state, optimizer_states=optimizer_states
+        )
+        return
+    save_sharded(
         path,
         engine,
         extra=rest,
         model_state=model_state,
         optimizer_states=optimizer_states,
+        background=background,
     )
 
 

@@ -1,28 +1,21 @@
 """Optimizer state of a sharded engine, per original parameter, under its name.
 
-After ``shard_model`` an optimizer holds the sharded parameters (``ShardedTensor``)
+After ``shard_model`` an optimizer holds the sharded parameters (``RangeShardedTensor``)
 themselves, in as many param groups as the user made. Its state is per parameter:
 ``optimizer.state[p] = {"exp_avg": <1-D, this rank's elements of p>, "step": <scalar>}``
-(a value may also be a ``ShardedTensor``; its ``_local`` is the piece). The
+(a value may also be a ``RangeShardedTensor``; its ``_local`` is the piece). The
 checkpoint form is name-keyed, as FSDP's::
 
-    {"state": {"layers.0.attn.wq.weight": {"exp_avg": FlatRange, ..., "step": tensor(3.)}},
+    {"state": {"layers.0.attn.wq.weight": {"exp_avg": <sharded>, ..., "step": tensor(3.)}},
      "param_groups": [{"lr": 3e-4, "weight_decay": 0.1, ..., "params": ["layers.0...", ...]},
                       {"lr": 3e-4, "weight_decay": 0.0, ..., "params": [...]}]}
 
-Per-element state is a ``FlatRange`` (sharded) or a full tensor (full); scalars
-are as torch keeps them. Every group keeps all its hyperparameters; loading
-restores them by position after checking that each group holds the same names.
-Full single-file checkpoints use torch's own index-keyed layout instead
-(``torch_layout.py``), so a DDP run can load them.
-
-[Note: version-1 optimizer groups]
-Format version 1 (before per-parameter views) had one optimizer group per
-master shard (units, norms), whatever split the user asked for, and its state
-was already per name. Its state loads as it is; each current group takes the
-hyperparameters that all the version-1 groups holding its parameters agree
-on, and keeps its own for the rest (typically the weight decay of a split
-that version 1 could not express).
+Per-element state is a ``RangeShardedTensor`` laid out as its parameter (sharded) or
+a full tensor (full); scalars are as torch keeps them. That is the layout of torch's
+``get_optimizer_state_dict`` for FSDP2, so either reads the other's DCP entries.
+Every group keeps all its hyperparameters; loading restores them by position after
+checking that each group holds the same names. Full single-file checkpoints use
+torch's own index-keyed layout instead (``torch_layout.py``), so a DDP run can load them.
 """
 
 from __future__ import annotations
@@ -34,12 +27,11 @@ import torch
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, name_list
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
-from lightning_yafsdp.checkpoint.ranges import FlatRange
 from lightning_yafsdp.checkpoint.state import gather_shards
 from lightning_yafsdp.checkpoint.torch_layout import to_torch_layout
-from lightning_yafsdp.checkpoint.trees import as_flat_range, map_leaves
+from lightning_yafsdp.checkpoint.trees import map_leaves
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 _NOT_HYPERPARAMETERS = ("params", "param_names")
 
@@ -47,7 +39,7 @@ _NOT_HYPERPARAMETERS = ("params", "param_names")
 def sharded_optimizer_state_dict(
     engine: YaFSDPEngine, optimizer: torch.optim.Optimizer, *, prefix: str = ""
 ) -> dict[str, Any]:
-    """The optimizer's state, name-keyed, per-element state as ``FlatRange``s (no copy)."""
+    """The optimizer's state, name-keyed, per-element state as ``RangeShardedTensor``s (no copy)."""
     index = build_index(engine, prefix=prefix)
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
@@ -112,9 +104,8 @@ def load_full_optimizer_state_dict(
     state_dict: Mapping[str, Any],
     *,
     prefix: str = "",
-    format_version: int = 2,
 ) -> None:
-    """Load a name-keyed optimizer state dict with full tensors (FSDP's layout, or ours v1).
+    """Load a name-keyed optimizer state dict with full tensors (FSDP's layout).
 
     Every rank needs ``state_dict``; each keeps its own elements. Not collective.
 
@@ -123,9 +114,7 @@ def load_full_optimizer_state_dict(
             whose shape is not its parameter's; nothing is modified then.
     """
     index = build_index(engine, prefix=prefix)
-    groups, states = local_optimizer_state(
-        index, optimizer, state_dict, format_version=format_version
-    )
+    groups, states = local_optimizer_state(index, optimizer, state_dict)
     load_optimizer_state(index, optimizer, param_groups=groups, states=states)
 
 
@@ -133,17 +122,13 @@ def local_optimizer_state(
     index: ShardIndex,
     optimizer: torch.optim.Optimizer,
     state_dict: Mapping[str, Any],
-    *,
-    format_version: int = 2,
 ) -> tuple[list[dict], dict[str, dict[str, Any]]]:
     """Checked hyperparameters per current group and this rank's per-parameter state.
 
     Raises:
         CheckpointMismatchError: as ``load_full_optimizer_state_dict``; nothing is modified.
     """
-    groups = restored_param_groups(
-        index, optimizer, state_dict["param_groups"], format_version=format_version
-    )
+    groups = restored_param_groups(index, optimizer, state_dict["param_groups"])
     check_state_names(index, state_dict["state"], what="the checkpoint's optimizer state")
     states: dict[str, dict[str, Any]] = {}
     for name, entry in state_dict["state"].items():
@@ -183,18 +168,13 @@ def restored_param_groups(
     index: ShardIndex,
     optimizer: torch.optim.Optimizer,
     saved_groups: list[dict],
-    *,
-    format_version: int,
 ) -> list[dict]:
     """The hyperparameters each current group gets from the saved groups (names checked).
 
-    Version 2 (and foreign name-keyed files): the same number of groups, each
-    with the same names in the same order; hyperparameters by position.
-    Version 1: see [Note: version-1 optimizer groups].
+    The same number of groups, each with the same names in the same order;
+    hyperparameters by position.
     """
     current = named_param_groups(index, optimizer)
-    if format_version == 1:
-        return _version_1_groups(current, saved_groups)
     if len(current) != len(saved_groups):
         raise CheckpointMismatchError(
             f"the checkpoint's optimizer has {len(saved_groups)} param groups, the current one "
@@ -236,14 +216,14 @@ def _param_named(index: ShardIndex, name: str) -> torch.Tensor:
 
 
 def _sharded_value(index: ShardIndex, param, name: str, key: str, value: Any) -> Any:
-    """One state value as it is checkpointed: per-element -> ``FlatRange``, else as is."""
-    if isinstance(value, ShardedTensor):
-        return as_flat_range(value)
+    """One state value as it is checkpointed: per-element -> ``RangeShardedTensor``."""
+    if isinstance(value, RangeShardedTensor):
+        return value.detach()
     entry = index.entry_of(param)
     if entry is None or not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value  # a replicated parameter's state, a scalar, a Python value
     if value.dim() == 1 and value.numel() == entry.numel:
-        return FlatRange(entry.shape, entry.start, entry.end, value.detach())
+        return RangeShardedTensor(value.detach(), param._placement, param._group)
     raise CheckpointMismatchError(
         f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}: neither "
         f"per-element (this rank's {entry.numel} elements of the parameter) nor a scalar, so "
@@ -289,26 +269,3 @@ def _check_same_names(position: int, now: list[str], then: list[str]) -> None:
         f"optimizer param group {position} holds different parameters than the checkpoint's "
         f"({detail}); the model or the optimizer's param groups changed since it was saved"
     )
-
-
-def _version_1_groups(current: list[dict], saved_groups: list[dict]) -> list[dict]:
-    owner = {name: i for i, group in enumerate(saved_groups) for name in group["params"]}
-    now_names = {name for group in current for name in group["params"]}
-    if now_names != set(owner):
-        _check_same_names(0, sorted(now_names), sorted(owner))
-    restored = []
-    for group in current:
-        sources = [saved_groups[i] for i in dict.fromkeys(owner[n] for n in group["params"])]
-        hyper = _hyperparameters(group)
-        for key in dict.fromkeys([*hyper, *_hyperparameters(sources[0])]):
-            values = [s[key] for s in sources if key in s]
-            if len(values) == len(sources) and all(_same(v, values[0]) for v in values):
-                hyper[key] = values[0]
-        restored.append(hyper)
-    return restored
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b

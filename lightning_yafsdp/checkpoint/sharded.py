@@ -13,30 +13,35 @@ utility reads it)::
                            manifest]); readers ignore it, ``verify.py`` checks it
 
 DCP keys: ``model`` -> ``{name: tensor}``, ``optimizer_<i>`` -> the name-keyed
-optimizer state of ``optimizer_state.py`` (every param group with its
-hyperparameters and parameter names), and any other top-level entry of the
-checkpoint that holds sharded tensors (listed in ``meta.pt["yafsdp"]["sharded_keys"]``).
-Each rank writes its elements of every parameter as boxes of the full shapes
-([Note: element ranges as boxes]), so a reader at any world size asks DCP for
-the boxes of its own elements. ``format_version`` 2; version-1 directories
-(one optimizer group per master shard) still load ([Note: version-1 optimizer
-groups]).
+optimizer state of ``optimizer_state.py`` (torch's ``get_optimizer_state_dict``
+layout: every param group with its hyperparameters and parameter names), and any
+other top-level entry of the checkpoint that holds sharded tensors (listed in
+``meta.pt["yafsdp"]["sharded_keys"]``). Sharded values are ``RangeShardedTensor``s,
+which speak DCP's own protocol ([Note: element ranges as boxes]), so DCP's DEFAULT
+planners write and read them: a reader at any world size asks for the boxes of its
+own elements, and an FSDP2 model reads the directory with a plain ``dcp.load``.
+Replicas of a hybrid-sharded model hold the same boxes; DCP's plan deduplication
+writes each once, from the lowest rank holding it (replica 0).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_yafsdp.checkpoint import atomic
+from lightning_yafsdp.checkpoint.background import BackgroundSaver, stage
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
 from lightning_yafsdp.checkpoint.index import ShardIndex, build_index
 from lightning_yafsdp.checkpoint.manifest import write_manifest
@@ -46,19 +51,16 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     restored_param_groups,
     sharded_optimizer_state_dict,
 )
-from lightning_yafsdp.checkpoint.ranges import FlatRange, RangeLoadPlanner, RangeSavePlanner
 from lightning_yafsdp.checkpoint.state import check_names_and_shapes, check_writable, module_state
 from lightning_yafsdp.checkpoint.trees import (
-    as_flat_range,
     has_sharded_leaves,
     lists_from_int_keys,
     set_nested,
     tensor_bytes,
-    to_flat_ranges,
 )
-from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
+from lightning_yafsdp.checkpoint.verify import describe_non_checkpoint, verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 DCP_METADATA_FILENAME = ".metadata"
@@ -67,7 +69,7 @@ MODEL_KEY = "model"
 # (its FSDPStrategy, like us, uses "model"): read as the model when there is no "model".
 MODEL_PARALLEL_MODEL_KEY = "state_dict"
 FORMAT_KEY = "yafsdp"
-FORMAT_VERSION = 2  # 2: per-parameter optimizer groups with their real hyperparameters
+FORMAT_VERSION = 2  # 2: per-parameter optimizer groups (DCP's protocol writes the same files)
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
 
 
@@ -93,6 +95,7 @@ def save_sharded(
     prefix: str = "",
     model_state: Mapping[str, Any] | None = None,
     optimizer_states: Sequence[Mapping[str, Any]] | None = None,
+    background: BackgroundSaver | None = None,
 ) -> None:
     """Write a sharded checkpoint of ``engine`` (and ``optimizers``) to the directory ``path``.
 
@@ -107,18 +110,22 @@ def save_sharded(
         optimizers: optimizers over the model's (sharded) parameters.
         extra: picklable objects saved by rank 0 in ``meta.pt`` (step counters,
             schedulers, RNG states...); returned by ``load_sharded``. A top-level
-            entry holding sharded tensors (``ShardedTensor`` / ``FlatRange``, e.g. a
-            ``WeightAveraging`` callback's ``"current_model_state"``) is written
-            sharded into the DCP files instead.
+            entry holding ``RangeShardedTensor``s (e.g. a ``WeightAveraging``
+            callback's ``"current_model_state"``) is written sharded into the DCP files.
         prefix: prepended to every parameter name.
-        model_state: the model's state dict as ``ShardedTensor``s / ``FlatRange``s
-            and plain tensors (the Lightning strategy passes the module's
-            ``state_dict()``); ``engine.root.state_dict()`` when None.
+        model_state: the model's state dict (``RangeShardedTensor``s and plain tensors;
+            the Lightning strategy passes the module's ``state_dict()``);
+            ``engine.root.state_dict()`` when None.
         optimizer_states: ready ``sharded_optimizer_state_dict``s, one per optimizer.
+        background: a ``BackgroundSaver``: the state is staged (copied) here and
+            written in its thread; this returns before the files are written.
 
     Raises:
         CheckpointSaveError: on every rank if any rank failed; nothing in memory changed.
+            With ``background``: raised by the saver's ``wait()`` instead.
     """
+    if background is not None:
+        background.wait()  # one save in flight at a time; raises a failed one's error
     if model_state is None:
         model_state = module_state(engine, prefix=prefix)
     if optimizer_states is None:
@@ -126,18 +133,44 @@ def save_sharded(
             sharded_optimizer_state_dict(engine, opt, prefix=prefix) for opt in optimizers
         ]
     state, meta = _dcp_state_and_meta(engine, model_state, optimizer_states, extra, prefix=prefix)
-    # [Note: hybrid sharding] every replica holds the same shards: only the first
-    # writes them, so each element is written once; DCP writes a whole tensor once.
-    writes_ranges = engine.mesh.replicate_rank == 0
-    bytes_here = tensor_bytes(state, sharded=writes_ranges, whole=engine.rank == 0)
-    with atomic.atomic_directory(path, group=engine.group, bytes_here=bytes_here) as tmp:
+    bytes_here = tensor_bytes(state, whole=engine.rank == 0)
+    path = Path(path)
+    # Rank 0 writes meta.pt: pickled now, so a background write holds a copy of it.
+    meta_bytes = _serialized(meta) if engine.rank == 0 else b""
+    if background is None:
+        _write_sharded(path, state, meta_bytes, group=engine.group, bytes_here=bytes_here)
+        return
+    staged, staged_meta = stage(state), meta_bytes
+    background.submit(
+        path,
+        lambda group: _write_sharded(path, staged, staged_meta, group=group, bytes_here=bytes_here),
+    )
+
+
+def _write_sharded(
+    path: Path, state: dict[str, Any], meta: bytes | Exception, *, group, bytes_here: int
+) -> None:
+    """DCP's files, ``meta.pt`` and the manifest into a temporary directory, then commit."""
+    with atomic.atomic_directory(path, group=group, bytes_here=bytes_here) as tmp:
         dcp.save(
             state,
             storage_writer=FileSystemWriter(tmp, sync_files=True),
-            planner=RangeSavePlanner(write_ranges=writes_ranges),
-            process_group=engine.group,
+            # [Note: hybrid sharding] replicas hold the same boxes: the lowest rank, in
+            # replica 0, writes each (and rank 0 the whole tensors and objects).
+            planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+            process_group=group,
         )
-        _write_meta_and_manifest(tmp, meta, engine)
+        _write_meta_and_manifest(tmp, meta, group=group)
+
+
+def _serialized(meta: Mapping[str, Any]) -> bytes | Exception:
+    """``meta`` pickled, or why it cannot be (reported by every rank in the write phase)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(dict(meta), buffer)
+    except Exception as exc:  # noqa: BLE001 - see above
+        return exc
+    return buffer.getvalue()
 
 
 def _dcp_state_and_meta(
@@ -149,9 +182,9 @@ def _dcp_state_and_meta(
     prefix: str,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What DCP writes (weights, optimizers, sharded extras) and what ``meta.pt`` holds."""
-    state: dict[str, Any] = {MODEL_KEY: to_flat_ranges(dict(model_state))}
+    state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
     for i, optimizer_state in enumerate(optimizer_states):
-        state[optimizer_key(i)] = to_flat_ranges(optimizer_state)
+        state[optimizer_key(i)] = dict(optimizer_state)
     meta = dict(extra or {})
     sharded_keys = [key for key, value in meta.items() if has_sharded_leaves(value)]
     for key in sharded_keys:
@@ -160,24 +193,24 @@ def _dcp_state_and_meta(
                 f"the checkpoint entry {key!r} holds sharded tensors and its name is taken by "
                 "the weights or an optimizer in the sharded layout; rename it"
             )
-        state[key] = to_flat_ranges(meta.pop(key))
+        state[key] = meta.pop(key)
     meta[FORMAT_KEY] = format_info(
         engine, "sharded", len(optimizer_states), prefix=prefix, sharded_keys=sharded_keys
     )
     return state, meta
 
 
-def _write_meta_and_manifest(tmp: Path, meta: dict[str, Any], engine: YaFSDPEngine) -> None:
+def _write_meta_and_manifest(tmp: Path, meta: bytes | Exception, *, group) -> None:
     """Rank 0 writes ``meta.pt``; then every rank digests its files (collective)."""
-    meta_failure = None
-    if engine.rank == 0:
+    meta_failure = meta if isinstance(meta, Exception) else None
+    if dist.get_rank(group) == 0 and meta_failure is None:
         try:
-            torch.save(meta, tmp / META_FILENAME)
+            (tmp / META_FILENAME).write_bytes(meta)
             atomic.fsync_file(tmp / META_FILENAME)
         except Exception as exc:  # noqa: BLE001 - write_manifest raises it on every rank
             meta_failure = exc
     # Collective even when meta.pt failed, so no rank is left waiting in it.
-    write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=engine.group, failure=meta_failure)
+    write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=group, failure=meta_failure)
 
 
 def format_info(
@@ -214,10 +247,13 @@ def load_sharded(
 ) -> dict[str, Any]:
     """Load a sharded checkpoint written at any world size into ``engine`` and ``optimizers``.
 
-    Collective. Each rank reads exactly the elements it owns under its own
-    layout. Every file is verified first ([Note: verify before reading]) and
-    everything is checked against the checkpoint's metadata: when a check fails
-    nothing is modified.
+    Collective. One ``dcp.load`` with DCP's default planner: the weights are read in
+    place into this rank's shards, the optimizer states into fresh tensors of this
+    rank's elements. Every file is verified first ([Note: verify before reading]) and
+    names, shapes and the optimizer count are checked against ``.metadata`` first:
+    when one of those checks fails nothing is modified. The param groups are pickled
+    in the checkpoint, so they are compared after the read, before any optimizer is
+    touched.
 
     Args:
         optimizers: loaded when given (their count must match the checkpoint's);
@@ -231,7 +267,7 @@ def load_sharded(
     Returns:
         The contents of ``meta.pt`` (``extra`` of ``save_sharded``, or the rest of a
         Lightning checkpoint), with sharded entries (``"sharded_keys"``) read back as
-        ``ShardedTensor``s where they name a parameter of the model.
+        ``RangeShardedTensor``s where they name a parameter of the model.
 
     Raises:
         NotACheckpointError: ``path`` is not a sharded checkpoint.
@@ -245,21 +281,50 @@ def load_sharded(
     info = meta.get(FORMAT_KEY, {})
     index = build_index(engine, prefix=prefix)
     model = module_state(engine, prefix=prefix)
-    _check_model_and_optimizer_count(path, layout, engine, model, len(optimizers), strict=strict)
-    extra_keys = [k for k in info.get("sharded_keys", []) if k in layout.extras]
-    objects = _read_objects(path, engine, layout.object_fqns(len(optimizers), extra_keys))
-    groups = [
-        _checked_param_groups(index, layout, i, optimizer, objects, info)
-        for i, optimizer in enumerate(optimizers)
-    ]
-    targets = _model_targets(layout, model)
-    states = [_optimizer_targets(index, layout, i, targets, objects) for i in range(len(groups))]
-    extras = {key: _extra_targets(layout, key, model, targets, objects) for key in extra_keys}
-    _read_tensors(path, engine, targets)
+    _check_before_reading(path, layout, engine, index, model, len(optimizers), strict=strict)
+    extra_keys = [k for k in info.get("sharded_keys", []) if k in layout.top_level]
+    targets = {layout.model_key: {n: v for n, v in model.items() if n in layout.model_shapes}}
+    for key in [optimizer_key(i) for i in range(len(optimizers))] + extra_keys:
+        targets[key] = layout.read_targets(key, lambda p, md: _target(index, model, p, md))
+    dcp.load(
+        targets,
+        storage_reader=FileSystemReader(path),
+        planner=DefaultLoadPlanner(),
+        process_group=engine.group,
+    )
     engine.mark_weights_changed()
-    for optimizer, param_groups, state in zip(optimizers, groups, states, strict=True):
-        load_optimizer_state(index, optimizer, param_groups=param_groups, states=state)
-    return {**meta, **{key: _rebuild(values) for key, values in extras.items()}}
+    for i, optimizer in enumerate(optimizers):
+        saved = targets[optimizer_key(i)]
+        groups = restored_param_groups(index, optimizer, saved.get("param_groups", []))
+        states = {
+            name: {k: v._local if isinstance(v, RangeShardedTensor) else v for k, v in e.items()}
+            for name, e in saved.get("state", {}).items()
+        }
+        load_optimizer_state(index, optimizer, param_groups=groups, states=states)
+    return {**meta, **{key: targets[key] for key in extra_keys}}
+
+
+def _target(
+    index: ShardIndex, model: Mapping[str, Any], path: tuple, md: Any
+) -> RangeShardedTensor | torch.Tensor | None:
+    """Where DCP reads the value at ``path`` (under an optimizer or a sharded entry).
+
+    Per-element optimizer state of a sharded parameter, and an entry's tensor named
+    and shaped like a sharded parameter (a ``WeightAveraging`` callback's
+    ``"current_model_state"``): this rank's elements, laid out as the parameter.
+    Scalars and other tensors: whole. A pickled object: None (DCP replaces it).
+    """
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    is_state = len(path) == 4 and path[1] == "state"
+    entry = index.entry_named(path[2]) if is_state else None
+    like = model.get(path[1]) if len(path) == 2 and not is_state else None
+    if entry is not None and len(md.size) > 0:
+        local = torch.zeros(entry.numel, dtype=md.properties.dtype, device=entry.local.device)
+        return RangeShardedTensor(local, entry.param._placement, entry.param._group)
+    if isinstance(like, RangeShardedTensor) and torch.Size(md.size) == like.shape:
+        return like.detach().clone()
+    return torch.empty(md.size, dtype=md.properties.dtype)
 
 
 def _verified_layout(
@@ -270,16 +335,7 @@ def _verified_layout(
     verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
-    return CheckpointLayout.from_metadata(FileSystemReader(path).read_metadata())
-
-
-def _model_targets(layout: CheckpointLayout, model: Mapping[str, Any]) -> dict[str, Any]:
-    """DCP read targets of the weights: this rank's elements of each, by the stored name."""
-    return {
-        layout.model_fqn[name]: as_flat_range(value) if isinstance(value, ShardedTensor) else value
-        for name, value in model.items()
-        if name in layout.model_shapes
-    }
+    return CheckpointLayout(FileSystemReader(path).read_metadata())
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
@@ -289,33 +345,17 @@ def _read_meta(path: Path) -> dict[str, Any]:
     return torch.load(meta_file, map_location="cpu", weights_only=False)
 
 
-def _checked_param_groups(
-    index: ShardIndex,
-    layout: CheckpointLayout,
-    i: int,
-    optimizer: torch.optim.Optimizer,
-    objects: Mapping[str, Any],
-    info: Mapping[str, Any],
-) -> list[dict]:
-    """Optimizer ``i``'s saved param groups, checked against ``optimizer`` (nothing loaded)."""
-    check_state_names(index, layout.optimizer_state.get(i, {}), what=f"optimizer {i}")
-    return restored_param_groups(
-        index,
-        optimizer,
-        layout.param_groups(i, objects),
-        format_version=info.get("format_version", FORMAT_VERSION),
-    )
-
-
-def _check_model_and_optimizer_count(
+def _check_before_reading(
     path: Path,
     layout: CheckpointLayout,
     engine: YaFSDPEngine,
+    index: ShardIndex,
     model: Mapping[str, Any],
     num_optimizers: int,
     *,
     strict: bool,
 ) -> None:
+    """Everything ``.metadata`` can tell: names, shapes, optimizer count and state names."""
     check_names_and_shapes(
         expected={k: torch.Size(v.shape) for k, v in model.items()},
         found=layout.model_shapes,
@@ -329,164 +369,60 @@ def _check_model_and_optimizer_count(
             f"{num_optimizers} were given; configure the same optimizers as when it was saved, "
             "or load the weights only (no optimizers)"
         )
+    for i in range(num_optimizers):
+        states = layout.optimizer_state_shapes(i)
+        check_state_names(index, states, what=f"optimizer {i}")
+        for name, keys in states.items():
+            entry = index.entry_named(name)
+            for key, size in keys.items():
+                if entry is not None and len(size) > 0 and torch.Size(size) != entry.shape:
+                    raise CheckpointMismatchError(
+                        f"optimizer {i} state {key!r} of {name!r} has shape {tuple(size)} in "
+                        f"the checkpoint, the parameter {tuple(entry.shape)}; only "
+                        "per-element and scalar optimizer state can be loaded by name"
+                    )
 
 
 class CheckpointLayout:
-    """What a DCP checkpoint holds, by original name, read from its ``.metadata`` alone."""
+    """What a DCP checkpoint holds, by the paths it was saved under (from ``.metadata``)."""
 
-    def __init__(self) -> None:
-        self.model_shapes: dict[str, torch.Size] = {}
-        self.model_fqn: dict[str, str] = {}
-        self.optimizer_state: dict[int, dict[str, dict[str, str]]] = {}
-        self.optimizer_objects: dict[int, dict[tuple, str]] = {}
-        self.extras: dict[str, dict[tuple, str]] = {}  # top-level key -> {path: fqn}
-        self.tensor_md: dict[str, Any] = {}
+    def __init__(self, metadata: Metadata) -> None:
+        planner_paths = metadata.planner_data or {}
+        self.paths = {
+            fqn: tuple(planner_paths.get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata
+        }
+        self.storage = dict(metadata.state_dict_metadata)
+        self.top_level = {path[0] for path in self.paths.values()}
+        self.model_key = MODEL_KEY if MODEL_KEY in self.top_level else MODEL_PARALLEL_MODEL_KEY
+        self.model_shapes = {
+            path[1]: self.storage[fqn].size
+            for fqn, path in self.paths.items()
+            if path[0] == self.model_key
+            and len(path) == 2
+            and not isinstance(self.storage[fqn], BytesStorageMetadata)
+        }
 
     @property
     def num_optimizers(self) -> int:
-        return len(self.optimizer_objects.keys() | self.optimizer_state.keys())
+        return len({key for key in self.top_level if _OPTIMIZER_KEY.match(str(key))})
 
-    @classmethod
-    def from_metadata(cls, metadata: Metadata) -> CheckpointLayout:
-        layout = cls()
-        planner_paths = metadata.planner_data or {}
-        paths = {fqn: tuple(planner_paths.get(fqn, (fqn,))) for fqn in metadata.state_dict_metadata}
-        top_level = {path[0] for path in paths.values()}
-        model_key = MODEL_KEY if MODEL_KEY in top_level else MODEL_PARALLEL_MODEL_KEY
-        for fqn, md in metadata.state_dict_metadata.items():
-            path = paths[fqn]
-            is_object = isinstance(md, BytesStorageMetadata)
-            if not is_object:
-                layout.tensor_md[fqn] = md
-            match = _OPTIMIZER_KEY.match(str(path[0]))
-            if path[0] == model_key and len(path) == 2:
-                layout.model_fqn[path[1]] = fqn
-                if not is_object:
-                    layout.model_shapes[path[1]] = md.size
-            elif match and len(path) == 4 and path[1] == "state":
-                layout.optimizer_state.setdefault(int(match[1]), {}).setdefault(path[2], {})[
-                    path[3]
-                ] = fqn
-            elif match:
-                layout.optimizer_objects.setdefault(int(match[1]), {})[path[1:]] = fqn
-            else:
-                layout.extras.setdefault(str(path[0]), {})[path] = fqn
-        return layout
+    def optimizer_state_shapes(self, optimizer: int) -> dict[str, dict[str, tuple]]:
+        """``{name: {key: stored shape}}`` of optimizer ``optimizer``'s state (``()``: object)."""
+        shapes: dict[str, dict[str, tuple]] = {}
+        for fqn, path in self.paths.items():
+            if path[0] == optimizer_key(optimizer) and len(path) == 4 and path[1] == "state":
+                md = self.storage[fqn]
+                size = () if isinstance(md, BytesStorageMetadata) else tuple(md.size)
+                shapes.setdefault(path[2], {})[path[3]] = size
+        return shapes
 
-    def object_fqns(self, num_optimizers: int, extra_keys: Sequence[str] = ()) -> list[str]:
-        """Every pickled entry of the first ``num_optimizers`` optimizers and of ``extra_keys``."""
-        fqns = [
-            fqn
-            for i in range(num_optimizers)
-            for fqn in [
-                *self.optimizer_objects.get(i, {}).values(),
-                *(f for keys in self.optimizer_state.get(i, {}).values() for f in keys.values()),
-            ]
-        ]
-        fqns += [fqn for key in extra_keys for fqn in self.extras[key].values()]
-        return [fqn for fqn in fqns if fqn not in self.tensor_md]
-
-    def param_groups(self, optimizer: int, objects: Mapping[str, Any]) -> list[dict]:
-        groups: dict[int, dict] = {}
-        for path, fqn in self.optimizer_objects.get(optimizer, {}).items():
-            if path[0] != "param_groups" or len(path) != 3:
-                continue
-            value = objects[fqn] if fqn in objects else None
-            groups.setdefault(int(path[1]), {})[path[2]] = value
-        return [groups[i] for i in sorted(groups)]
-
-
-def _optimizer_targets(
-    index: ShardIndex,
-    layout: CheckpointLayout,
-    optimizer: int,
-    targets: dict[str, Any],
-    objects: Mapping[str, Any],
-) -> dict[str, dict[str, Any]]:
-    """Allocate each parameter's optimizer state (its own elements) and add DCP read targets."""
-    states: dict[str, dict[str, Any]] = {}
-    for name, keys in layout.optimizer_state.get(optimizer, {}).items():
-        entry = index.entry_named(name)
-        states[name] = {}
-        for key, fqn in keys.items():
-            md = layout.tensor_md.get(fqn)
-            if md is None:
-                states[name][key] = objects[fqn]  # a pickled value (a Python number...)
-            elif entry is not None and len(md.size) > 0:
-                if torch.Size(md.size) != entry.shape:
-                    raise CheckpointMismatchError(
-                        f"optimizer {optimizer} state {key!r} of {name!r} has shape "
-                        f"{tuple(md.size)} in the checkpoint, the parameter {tuple(entry.shape)}; "
-                        "only per-element and scalar optimizer state can be loaded by name"
-                    )
-                local = torch.zeros(
-                    entry.numel, dtype=md.properties.dtype, device=entry.local.device
-                )
-                targets[fqn] = FlatRange(entry.shape, entry.start, entry.end, local)
-                states[name][key] = local
-            else:  # a scalar, or the state of a replicated (frozen) parameter: whole
-                targets[fqn] = states[name][key] = torch.empty(md.size, dtype=md.properties.dtype)
-    return states
-
-
-def _extra_targets(
-    layout: CheckpointLayout,
-    key: str,
-    model: Mapping[str, Any],
-    targets: dict[str, Any],
-    objects: Mapping[str, Any],
-) -> dict[tuple, Any]:
-    """Read targets of a sharded top-level entry: ``{path: value}`` once loaded.
-
-    ``{key: {name: tensor}}`` entries whose name is a sharded parameter of the model
-    with the same shape (a ``WeightAveraging`` callback's ``"current_model_state"``)
-    come back as ``ShardedTensor``s laid out like that parameter; other tensors whole.
-    """
-    values: dict[tuple, Any] = {}
-    for path, fqn in layout.extras[key].items():
-        md = layout.tensor_md.get(fqn)
-        like = model.get(path[1]) if len(path) == 2 else None
-        if md is None:
-            values[path] = objects[fqn]
-        elif isinstance(like, ShardedTensor) and torch.Size(md.size) == like.shape:
-            sharded = like.detach().clone()
-            targets[fqn] = as_flat_range(sharded)
-            values[path] = sharded
-        else:
-            targets[fqn] = values[path] = torch.empty(md.size, dtype=md.properties.dtype)
-    return values
-
-
-def _rebuild(values: Mapping[tuple, Any]) -> Any:
-    """One top-level entry from its ``{path: value}`` leaves (paths start with the key)."""
-    if len(values) == 1 and len(next(iter(values))) == 1:
-        return next(iter(values.values()))
-    root: dict = {}
-    for path, value in values.items():
-        set_nested(root, path[1:], value)
-    return lists_from_int_keys(root)
-
-
-def _read_objects(path: Path, engine: YaFSDPEngine, fqns: list[str]) -> dict[str, Any]:
-    if not fqns:
-        return {}
-    planner = RangeLoadPlanner()
-    dcp.load(
-        dict.fromkeys(fqns),
-        storage_reader=FileSystemReader(path),
-        planner=planner,
-        process_group=engine.group,
-    )
-    return planner.loaded_objects
-
-
-def _read_tensors(path: Path, engine: YaFSDPEngine, targets: dict[str, Any]) -> None:
-    dcp.load(
-        targets,
-        storage_reader=FileSystemReader(path),
-        planner=RangeLoadPlanner(),
-        process_group=engine.group,
-    )
+    def read_targets(self, key: str, target: Callable[[tuple, Any], Any]) -> Any:
+        """The nested dict saved under ``key``, each leaf ``target(path, storage md)``."""
+        root: dict = {}
+        for fqn, path in self.paths.items():
+            if path[0] == key:
+                set_nested(root, path, target(path, self.storage[fqn]))
+        return lists_from_int_keys(root)[key]
 
 
 def _recover(path: Path, engine: YaFSDPEngine) -> None:
@@ -497,26 +433,3 @@ def _recover(path: Path, engine: YaFSDPEngine) -> None:
         except OSError as exc:
             error = exc
     atomic.agree(error, group=engine.group, doing=f"recovering checkpoint {path}")
-
-
-def describe_non_checkpoint(path: Path) -> str:
-    """Why ``path`` is not a checkpoint, and what to pass instead."""
-    if not path.exists():
-        siblings = (
-            sorted(p.name for p in path.parent.glob("*"))[:10] if path.parent.is_dir() else []
-        )
-        return (
-            f"checkpoint {str(path)!r} does not exist"
-            + (f" (the directory holds: {', '.join(siblings)})" if siblings else "")
-            + "; pass the path of a checkpoint directory written by save_sharded / "
-            "trainer.save_checkpoint, or a checkpoint file"
-        )
-    if path.is_dir():
-        contents = sorted(p.name for p in path.iterdir())[:10]
-        return (
-            f"{str(path)!r} is a directory but not a sharded checkpoint: it has no "
-            f"{DCP_METADATA_FILENAME} file (it holds: {', '.join(contents) or 'nothing'}). A save "
-            "that was interrupted leaves a hidden '.<name>.yafsdp-tmp' directory instead; the "
-            "last complete checkpoint is the one to load"
-        )
-    return f"{str(path)!r} is a file, not a sharded checkpoint directory"

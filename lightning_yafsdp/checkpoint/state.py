@@ -2,13 +2,13 @@
 
 The model's own ``state_dict()`` is the source (a ``LightningModule.state_dict()``
 override included): sharded parameters (trainable, and frozen ones of units) are
-``ShardedTensor``s, buffers and replicated frozen parameters plain tensors, the same
+``RangeShardedTensor``s, buffers and replicated frozen parameters plain tensors, the same
 keys on every rank. Two shapes of it:
 
-- sharded: every ``ShardedTensor`` becomes a ``FlatRange`` (this rank's elements,
-  no copy); the input of a DCP save, and the target of a DCP load.
-- full: every ``ShardedTensor`` becomes its full tensor on rank 0, gathered in
-  buckets ([Note: ragged gather of element ranges]).
+- sharded: as it is; a ``RangeShardedTensor`` speaks DCP's protocol ([Note: element
+  ranges as boxes]), so the dict is the input of a DCP save and the target of a DCP load.
+- full: every ``RangeShardedTensor`` becomes its full tensor on rank 0, gathered
+  one tensor at a time ([Note: ragged gather of element ranges]).
 
 Optimizer state dicts are in ``optimizer_state.py``.
 """
@@ -22,9 +22,8 @@ import torch
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, name_list
 from lightning_yafsdp.checkpoint.gather import gather_full, world_info
-from lightning_yafsdp.checkpoint.trees import to_flat_ranges
 from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 __all__ = [
     "check_names_and_shapes",
@@ -41,7 +40,7 @@ __all__ = [
 def module_state(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, Any]:
     """``engine.root.state_dict()`` (overrides honoured) with ``prefix`` added to every key.
 
-    Values are ``ShardedTensor``s (detached views of the parameters) and plain
+    Values are ``RangeShardedTensor``s (detached views of the parameters) and plain
     tensors (buffers, frozen parameters); tied parameters appear under every alias.
     """
     return {prefix + name: value for name, value in engine.root.state_dict().items()}
@@ -61,19 +60,18 @@ def gather_shards(engine: YaFSDPEngine, tree: Any, *, rank0_only: bool = True, *
 
 
 def sharded_model_state_dict(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, Any]:
-    """The model's state dict with every trainable parameter as this rank's ``FlatRange``.
+    """The model's state dict, sharded parameters as ``RangeShardedTensor``s (no copy).
 
-    Ranges are views into the master shards (no copy); a parameter this rank
-    holds no element of is an empty range.
+    What ``dcp.save`` takes and ``dcp.load`` reads into, with DCP's default planners.
     """
-    return to_flat_ranges(module_state(engine, prefix=prefix))
+    return module_state(engine, prefix=prefix)
 
 
 @torch.no_grad()
 def full_model_state_dict(
     engine: YaFSDPEngine, *, prefix: str = "", rank0_only: bool = True, cpu: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full weights under the original names, gathered in buckets.
+    """Full weights under the original names, gathered one tensor at a time.
 
     Collective: call on every rank. With ``rank0_only`` (default) ranks other
     than 0 return ``{}``; tied aliases share one tensor.
@@ -115,7 +113,7 @@ def load_full_model_state_dict(
         if name not in state_dict:
             continue
         source = state_dict[name]
-        if isinstance(target, ShardedTensor):
+        if isinstance(target, RangeShardedTensor):
             placement = target._placement
             target._local.copy_(source.reshape(-1)[placement.start : placement.end])
         else:
@@ -138,7 +136,7 @@ def check_writable(engine: YaFSDPEngine, targets: Mapping[str, Any]) -> None:
     foreign = [
         name
         for name, value in targets.items()
-        if isinstance(value, ShardedTensor)
+        if isinstance(value, RangeShardedTensor)
         and value._local.numel()
         and value._local.untyped_storage().data_ptr() not in storages
     ]

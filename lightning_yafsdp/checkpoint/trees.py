@@ -1,13 +1,13 @@
-"""Sharded values anywhere in a checkpoint dict: find them, turn them into ``FlatRange``s.
+"""Sharded values anywhere in a checkpoint dict: find them, walk the tree, count bytes.
 
 A Lightning checkpoint is a tree of dicts, lists and tuples built by many hands:
 ``"state_dict"`` (``LightningModule.state_dict()``, an override included),
 ``"optimizer_states"``, and whatever callbacks add (``WeightAveraging`` moves our
 weights to ``"current_model_state"`` and puts its averaged copy in
-``"state_dict"``). Every ``ShardedTensor`` in it holds only this rank's elements,
-so it must be written sharded: pickling one would keep rank 0's piece and lose
-the rest without a word. These helpers walk the tree in a fixed order (the same
-on every rank for the same tree), so collective steps can pair the leaves of
+``"state_dict"``). Every ``RangeShardedTensor`` in it holds only this rank's elements,
+so it must be written sharded (DCP's protocol) or gathered: pickling one would keep
+rank 0's piece and lose the rest without a word. These helpers walk the tree in a
+fixed order (the same on every rank for the same tree), so collective steps can pair the leaves of
 different ranks by position.
 """
 
@@ -18,22 +18,15 @@ from typing import Any
 
 import torch
 
-from lightning_yafsdp.checkpoint.ranges import FlatRange
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, local_of
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor, local_of
 
 __all__ = ["local_of"]  # re-exported for checkpoint code: a value's plain local piece
 
 Path = tuple[Any, ...]  # keys and list positions from the root to a leaf
 
 
-def as_flat_range(value: ShardedTensor) -> FlatRange:
-    """This rank's elements of ``value`` (no copy: the range reads/writes ``value._local``)."""
-    placement = value._placement
-    return FlatRange(placement.shape, placement.start, placement.end, value._local.detach())
-
-
 def is_sharded_leaf(value: Any) -> bool:
-    return isinstance(value, (ShardedTensor, FlatRange))
+    return isinstance(value, RangeShardedTensor)
 
 
 def map_leaves(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
@@ -57,7 +50,7 @@ def map_leaves(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> An
 
 
 def sharded_leaves(tree: Any) -> list[tuple[Path, Any]]:
-    """Every ``ShardedTensor`` / ``FlatRange`` in ``tree`` with its path, in tree order."""
+    """Every ``RangeShardedTensor`` in ``tree`` with its path, in tree order."""
     found: list[tuple[Path, Any]] = []
 
     def visit(path: Path, value: Any) -> Any:
@@ -71,11 +64,6 @@ def sharded_leaves(tree: Any) -> list[tuple[Path, Any]]:
 
 def has_sharded_leaves(tree: Any) -> bool:
     return bool(sharded_leaves(tree))
-
-
-def to_flat_ranges(tree: Any) -> Any:
-    """``tree`` with every ``ShardedTensor`` replaced by its ``FlatRange`` (a view, no copy)."""
-    return map_leaves(tree, lambda _, v: as_flat_range(v) if isinstance(v, ShardedTensor) else v)
 
 
 def describe_path(path: Path) -> str:
@@ -110,9 +98,7 @@ def tensor_bytes(tree: Any, *, sharded: bool = True, whole: bool = True) -> int:
 
     def count(_: Path, value: Any) -> Any:
         nonlocal total
-        if isinstance(value, FlatRange) and sharded:
-            total += value.local.nbytes
-        elif isinstance(value, ShardedTensor) and sharded:
+        if isinstance(value, RangeShardedTensor) and sharded:
             total += value._local.nbytes
         elif isinstance(value, torch.Tensor) and not is_sharded_leaf(value) and whole:
             total += value.nbytes

@@ -81,8 +81,6 @@ def verified_checks(path: str | os.PathLike, *, checksums: bool = False) -> str:
         return checked
     if looks_like_sharded_checkpoint(path):
         return _verify_directory(path, checksums=checksums)
-    from lightning_yafsdp.checkpoint.sharded import describe_non_checkpoint
-
     raise NotACheckpointError(describe_non_checkpoint(path))
 
 
@@ -362,3 +360,26 @@ def _is_candidate(path: Path) -> bool:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def describe_non_checkpoint(path: Path) -> str:
+    """Why ``path`` is not a checkpoint, and what to pass instead."""
+    if not path.exists():
+        siblings = (
+            sorted(p.name for p in path.parent.glob("*"))[:10] if path.parent.is_dir() else []
+        )
+        return (
+            f"checkpoint {str(path)!r} does not exist"
+            + (f" (the directory holds: {', '.join(siblings)})" if siblings else "")
+            + "; pass the path of a checkpoint directory written by save_sharded / "
+            "trainer.save_checkpoint, or a checkpoint file"
+        )
+    if path.is_dir():
+        contents = sorted(p.name for p in path.iterdir())[:10]
+        return (
+            f"{str(path)!r} is a directory but not a sharded checkpoint: it has no "
+            f"{DCP_METADATA_FILENAME} file (it holds: {', '.join(contents) or 'nothing'}). A save "
+            "that was interrupted leaves a hidden '.<name>.yafsdp-tmp' directory instead; the "
+            "last complete checkpoint is the one to load"
+        )
+    return f"{str(path)!r} is a file, not a sharded checkpoint directory"

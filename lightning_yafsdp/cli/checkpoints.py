@@ -97,7 +97,8 @@ def run_export(options: argparse.Namespace) -> int:
     """``yafsdp export``: one line on stderr and status 2 for anything refused."""
     import torch
 
-    from lightning_yafsdp.checkpoint import CheckpointError, export_checkpoint, inspect_checkpoint
+    from lightning_yafsdp.checkpoint import CheckpointError, inspect_checkpoint
+    from lightning_yafsdp.export import export_checkpoint
 
     try:
         hf = bool(options.hf or options.hf_config)
@@ -121,7 +122,7 @@ def run_export(options: argparse.Namespace) -> int:
         return 2
     print(f"wrote {path}")
     if hf:
-        from lightning_yafsdp.checkpoint.hf_export import write_tokenizer
+        from lightning_yafsdp.export.hugging_face import write_tokenizer
 
         out_dir = path.parent
         print(f"wrote {out_dir / 'config.json'}: from_pretrained({str(out_dir)!r}) loads it")
@@ -132,8 +133,8 @@ def run_export(options: argparse.Namespace) -> int:
 def _run_config_of(options: argparse.Namespace) -> Any:
     """The run's config (None when unknown); a tokenizer directory it names that is
     missing here is refused now, before the export writes anything."""
-    from lightning_yafsdp.checkpoint.export_dir import ExportError
-    from lightning_yafsdp.checkpoint.hf_export import find_run_config, load_run_config
+    from lightning_yafsdp.export.directory import ExportError
+    from lightning_yafsdp.export.hugging_face import find_run_config, load_run_config
 
     path = options.run_config or find_run_config(options.checkpoint)
     config = load_run_config(path) if path else None

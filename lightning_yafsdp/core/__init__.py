@@ -14,7 +14,7 @@ from lightning_yafsdp.core.comm.collectives import CommStats
 from lightning_yafsdp.core.comm.order_guard import CollectiveOrderError
 from lightning_yafsdp.core.comm.streams import ScheduleEvent
 from lightning_yafsdp.core.optim.optim_step import register_elementwise_optimizer
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, ShardPlacement
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor, ShardPlacement
 from lightning_yafsdp.core.plan.policy import find_units, is_norm_module
 from lightning_yafsdp.core.plan.sharding import ShardingPlan, get_engine, plan_layouts, shard_model
 from lightning_yafsdp.core.runtime.engine import ParamShard, YaFSDPEngine
@@ -29,7 +29,7 @@ __all__ = [
     "ParamShard",
     "ScheduleEvent",
     "ShardPlacement",
-    "ShardedTensor",
+    "RangeShardedTensor",
     "ShardingPlan",
     "YaFSDPEngine",
     "find_units",

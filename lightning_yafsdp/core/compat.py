@@ -24,7 +24,7 @@ def outside_compile(hook):
 
     [Note: engine hooks under compile] The engine's hooks gather shards, wait on work
     handles, swap module attributes and fire the unit's state machine: Python side effects
-    and collectives Dynamo cannot trace (and ShardedTensor refuses to expose its storage
+    and collectives Dynamo cannot trace (and RangeShardedTensor refuses to expose its storage
     to a tracer). They run eagerly, as FSDP2's did before its hooks became traceable;
     the block's own forward and backward, between them, are what compile optimises.
     With per-block compile (``block.compile()``) the hooks run outside the compiled frame

@@ -51,6 +51,7 @@ from lightning_yafsdp.adapters.distributed import (
 )
 from lightning_yafsdp.adapters.mesh import ShardingState
 from lightning_yafsdp.adapters.options import ShardingOptions
+from lightning_yafsdp.adapters.saving import BackgroundSaving
 from lightning_yafsdp.adapters.sharding import (
     parameter_names,
     place_module,
@@ -89,14 +90,16 @@ _OPTIMIZER_AFTER_SETUP = (
 )
 
 
-class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
+class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy, _Sharded):
     """Fully sharded data parallel training in a Fabric loop.
 
     Takes the arguments of :class:`lightning_yafsdp.strategy.YaFSDPStrategy` (units,
     norm_classes, zero_stage, reduce_dtype, activation_checkpointing, param_init_fn,
     sync_module_states, cast_forward_inputs, timeout, process_group_backend,
-    state_dict_type, verify_checksums, shard_size, device_mesh, vocab_chunks), documented
-    there.
+    state_dict_type, verify_checksums, async_save, shard_size, device_mesh, vocab_chunks),
+    documented there. With ``async_save=True`` the next ``fabric.save``/``fabric.load`` and
+    ``teardown`` wait for a save in flight; after the last save of a script call
+    ``fabric.strategy.wait_for_checkpoint()`` to see a failure raised.
     ``state_dict_type`` decides how ``fabric.save`` writes; ``fabric.load`` reads either
     kind, and checkpoints of the Trainer strategy, comparing checksums first unless
     ``verify_checksums=False``.
@@ -123,6 +126,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
         process_group_backend: str | None = None,
         state_dict_type: Literal["sharded", "full"] = "sharded",
         verify_checksums: bool = True,
+        async_save: bool = False,
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
         vocab_chunks: bool = True,
@@ -361,8 +365,13 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
                 "storage_options; call fabric.save(path, state) without them"
             )
         # Every rank writes to rank 0's path.
+        path = self.broadcast(path)
         save_fabric_checkpoint(
-            self.broadcast(path), state, state_dict_type=self.state_dict_type, filter=filter
+            path,
+            state,
+            state_dict_type=self.state_dict_type,
+            filter=filter,
+            background=self._saver_for_save(self.mesh.world_group if self.mesh else None),
         )
 
     @override
@@ -374,6 +383,7 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         path = self.broadcast(path)
+        self.wait_for_checkpoint()  # it may be the one being written
         if isinstance(state, (nn.Module, Optimizer)):  # fabric.load_raw
             load_raw_into(
                 path, state, strict=strict, verify_checksums=self._options.verify_checksums
@@ -389,6 +399,12 @@ class YaFSDPStrategy(ShardingState, ParallelStrategy, _Sharded):
         return load_fabric_checkpoint(
             path, state, strict=strict, verify_checksums=self._options.verify_checksums
         )
+
+
+    @override
+    def teardown(self) -> None:
+        self._close_saver()
+        super().teardown()
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

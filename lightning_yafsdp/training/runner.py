@@ -72,6 +72,7 @@ def build_strategy(config: RunConfig, est: Estimate) -> Any:
         sync_module_states=config.strategy.sync_module_states,
         shard_size=config.strategy.shard_size,
         verify_checksums=config.strategy.verify_checksums,
+        async_save=config.strategy.async_save,
         vocab_chunks=config.strategy.vocab_chunks,
         # The engine would otherwise cast each block's floating inputs, the residual
         # stream included, to bf16, undoing fp32_residual at every block boundary.

@@ -12,7 +12,7 @@ without the engine having to know which backward is the last.
 The first backward after ``optimizer.zero_grad()`` (every ``.grad is None``, the
 torch default) writes into a new gradient window, one tensor of the master
 shard's size; later backwards add. [Note: per-parameter grads] Each sharded
-parameter's ``.grad`` is a ShardedTensor over its piece of the window, set at
+parameter's ``.grad`` is a RangeShardedTensor over its piece of the window, set at
 the end of a backward for every parameter that some rank wrote a grad for; a
 parameter no rank used keeps ``grad is None``, so the optimizer skips it, as
 under DDP. Nothing but those ``.grad`` views references the window: when
@@ -28,7 +28,7 @@ import weakref
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
 class ShardGrads:
@@ -114,12 +114,12 @@ class ShardGrads:
         window = self._live()
         for (param, start, end), was_used in zip(self.params, used, strict=True):
             if was_used and param.grad is None:
-                param.grad = ShardedTensor(window[start:end], param._placement, param._group)
+                param.grad = RangeShardedTensor(window[start:end], param._placement, param._group)
 
 
 def _is_window_view(grad: torch.Tensor, live: torch.Tensor, start: int) -> bool:
     return (
-        isinstance(grad, ShardedTensor)
+        isinstance(grad, RangeShardedTensor)
         and grad._local.untyped_storage().data_ptr() == live.untyped_storage().data_ptr()
         and grad._local.storage_offset() == live.storage_offset() + start
     )

@@ -1,7 +1,7 @@
 """Optimizer steps over sharded parameters run on plain tensors.
 
 [Note: optimizer steps on plain tensors]
-An optimizer holds the model's sharded parameters (ShardedTensors, full logical
+An optimizer holds the model's sharded parameters (RangeShardedTensors, full logical
 shape). Stepping them through ``__torch_dispatch__`` is correct for elementwise
 math but pays one Python dispatch per op per parameter (about 1.4 ms per
 parameter per step on CPU). For torch's elementwise optimizers the engine

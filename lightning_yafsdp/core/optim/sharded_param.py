@@ -3,11 +3,11 @@
 [Note: sharded parameters]
 After ``shard_model`` every original trainable parameter is back in its module's
 ``_parameters`` under its original name, as an ``nn.Parameter`` whose type is
-``ShardedTensor``: a wrapper subclass (like DTensor, but not one) that reports
+``RangeShardedTensor``: a wrapper subclass (like DTensor, but not one) that reports
 the parameter's full shape, the master dtype and the device, and whose storage is
 ``_local``, this rank's contiguous run ``[start, end)`` of the flattened parameter,
 a 1-D view into the flat master shard (possibly 0 elements). Gradients (``p.grad``)
-and, for optimizers that run on it directly, optimizer state are ShardedTensors of
+and, for optimizers that run on it directly, optimizer state are RangeShardedTensors of
 the same placement.
 
 Why our own type and not a DTensor: our shards are ragged flat ranges of a flat
@@ -16,13 +16,13 @@ group, not dim-0 chunks. DTensor has no such placement; labelling the range
 state-dict utilities) compute wrong offsets silently. Here whatever is not
 implemented raises and names the fix.
 
-What runs on a ShardedTensor (``__torch_dispatch__``):
+What runs on a RangeShardedTensor (``__torch_dispatch__``):
 
 * pointwise ops, ``_foreach_*`` and ``_fused_*`` ops (optimizers), ``zero_``,
-  ``fill_``: on the local pieces; all ShardedTensor operands must share a placement;
+  ``fill_``: on the local pieces; all RangeShardedTensor operands must share a placement;
 * ``*_like``, ``clone``, ``detach``, ``alias``: local op, same placement;
 * ``copy_``: sharded to sharded copies pieces; a full plain tensor of the logical
-  shape copied INTO a ShardedTensor gives it its own elements (``load_state_dict``);
+  shape copied INTO a RangeShardedTensor gives it its own elements (``load_state_dict``);
 * ``linalg_vector_norm`` and ``_foreach_norm``: the GLOBAL norm of the full tensor,
   one all_reduce per call over the shard group (collective: every rank must make
   the call; the set of non-None grads is the same on every rank, so ``grad_norm``
@@ -35,12 +35,35 @@ What runs on a ShardedTensor (``__torch_dispatch__``):
 
 In-place ops write ``_local``, a view of the master, so the master's version
 counter moves and the engine refreshes its compute shards before the next forward.
+
+The name says what it is, a tensor sharded by element RANGE: it is neither torch's
+legacy ``torch.distributed._shard.ShardedTensor`` nor a DTensor, and torch code that
+special-cases either never mistakes it for one.
+
+[Note: element ranges as boxes]
+``torch.distributed.checkpoint`` (DCP) saves and reshards a RangeShardedTensor through
+the protocol DTensor implements (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``), with DCP's DEFAULT planners. DCP describes a shard as a box
+(an offset and a size per dimension) of the tensor's FULL shape, and a run
+``[start, end)`` of a flattened row-major tensor is not always one box ("elements 100
+to 1300 of a 32 x 64 matrix"). It is, however, the union of at most ``2 * ndim - 1``
+boxes: a partial first row, a block of whole rows, a partial last row (recursively
+inside the partial rows), each contiguous in memory and so a view of ``_local``. Every
+rank writes its run as those boxes: the checkpoint's metadata holds true shapes and
+original names, any DCP reader (``dcp_to_torch_save``, an FSDP2 model's plain
+``dcp.load``, Lightning's consolidation) rebuilds full tensors, and a reader at another
+world size asks for the boxes of ITS runs, which DCP intersects with the stored ones.
+The alternative, writing every parameter flattened to 1-D, would make the stored shapes
+differ from the model's and break every reader that is not ours.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch._guards
@@ -83,7 +106,7 @@ _ELEMENTWISE_EXTRA = {aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor}
 
 @dataclass(frozen=True)
 class ShardPlacement:
-    """Which part of which parameter a ShardedTensor holds.
+    """Which part of which parameter a RangeShardedTensor holds.
 
     Attributes:
         name: the parameter's fully qualified name (its first alias when tied).
@@ -104,7 +127,7 @@ class ShardPlacement:
         return self.end - self.start
 
 
-class ShardedTensor(torch.Tensor):
+class RangeShardedTensor(torch.Tensor):
     """A full-shape tensor of which this rank stores elements ``[start, end)`` (see the Note)."""
 
     _local: torch.Tensor
@@ -140,7 +163,7 @@ class ShardedTensor(torch.Tensor):
     def __repr__(self) -> str:  # noqa: D105
         p = self._placement
         return (
-            f"ShardedTensor({p.name!r}, shape={tuple(p.shape)}, elements [{p.start}, {p.end}) "
+            f"RangeShardedTensor({p.name!r}, shape={tuple(p.shape)}, elements [{p.start}, {p.end}) "
             f"of {math.prod(p.shape)}, dtype={self.dtype}, device={self.device})"
         )
 
@@ -160,12 +183,12 @@ class ShardedTensor(torch.Tensor):
     def data_ptr(self) -> int:
         raise RuntimeError(_raw_memory_refusal(self))
 
-    def __deepcopy__(self, memo: dict) -> ShardedTensor:
+    def __deepcopy__(self, memo: dict) -> RangeShardedTensor:
         # A copy keeps this rank's piece only (an EMA of a sharded model is shard-sized)
         # and shares the process group: groups are never copied.
         if id(self) in memo:
             return memo[id(self)]
-        copy = ShardedTensor(self._local.detach().clone(), self._placement, self._group)
+        copy = RangeShardedTensor(self._local.detach().clone(), self._placement, self._group)
         if isinstance(self, nn.Parameter):
             copy = nn.Parameter(copy, requires_grad=self.requires_grad)
         memo[id(self)] = copy
@@ -185,7 +208,46 @@ class ShardedTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         placement, group = meta
-        return ShardedTensor(inner["_local"], placement, group)
+        return RangeShardedTensor(inner["_local"], placement, group)
+
+    # -- torch.distributed.checkpoint's protocol ([Note: element ranges as boxes]) -------
+
+    def __create_write_items__(self, fqn: str, object: Any) -> list:
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import (
+            TensorWriteData,
+            WriteItem,
+            WriteItemType,
+        )
+
+        # From the local piece: the wrapper refuses raw-memory queries such as is_pinned.
+        properties = TensorProperties.create_from_tensor(self._local)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=self.shape),
+            )
+            for chunk in self.__create_chunk_list__()
+        ]
+
+    def __create_chunk_list__(self) -> list:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+            for offsets, sizes, _ in _boxes(self._placement)
+        ]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        # The box at ``index.offset``: a view of ``_local``, so a load writes the shard.
+        for offsets, sizes, begin in _boxes(self._placement):
+            if torch.Size(offsets) == index.offset:
+                return self._local.narrow(0, begin, math.prod(sizes)).view(sizes)
+        raise ValueError(
+            f"{self._placement.name!r}: this rank holds no box at offset {tuple(index.offset)} "
+            f"(it holds elements [{self._placement.start}, {self._placement.end}))"
+        )
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -194,7 +256,7 @@ class ShardedTensor(torch.Tensor):
         kwargs = kwargs or {}
         if func in _LOCAL_LIKE:
             source = args[0]
-            return ShardedTensor(func(source._local, *args[1:], **kwargs), *_meta(source))
+            return RangeShardedTensor(func(source._local, *args[1:], **kwargs), *_meta(source))
         if func is aten.copy_.default:
             return _copy_into(args[0], args[1], **kwargs)
         if func in _NORMS:
@@ -209,17 +271,17 @@ class ShardedTensor(torch.Tensor):
 
 
 def is_sharded(value: object) -> bool:
-    """True for a ShardedTensor (a sharded parameter, its grad or its optimizer state)."""
-    return isinstance(value, ShardedTensor)
+    """True for a RangeShardedTensor (a sharded parameter, its grad or its optimizer state)."""
+    return isinstance(value, RangeShardedTensor)
 
 
 def local_of(value: object) -> object:
-    """``value``'s local piece if it is a ShardedTensor, else ``value`` itself."""
-    return value._local if isinstance(value, ShardedTensor) else value
+    """``value``'s local piece if it is a RangeShardedTensor, else ``value`` itself."""
+    return value._local if isinstance(value, RangeShardedTensor) else value
 
 
 def register_foreach_support() -> None:
-    """Let torch's optimizers and clipping use their foreach paths on ShardedTensors."""
+    """Let torch's optimizers and clipping use their foreach paths on RangeShardedTensors."""
     from torch.optim import optimizer as optim_module
     from torch.utils import _foreach_utils
 
@@ -227,17 +289,17 @@ def register_foreach_support() -> None:
         getattr(optim_module, "_foreach_supported_types", None),
         getattr(_foreach_utils, "_foreach_supported_types", None),
     ):
-        if registry is not None and ShardedTensor not in registry:
-            registry.append(ShardedTensor)
+        if registry is not None and RangeShardedTensor not in registry:
+            registry.append(RangeShardedTensor)
 
 
 @torch.no_grad()
-def gather_full(tensor: ShardedTensor) -> torch.Tensor:
+def gather_full(tensor: RangeShardedTensor) -> torch.Tensor:
     """All-gather every rank's piece of ``tensor``: the full tensor on every rank."""
     group, placement = tensor._group, tensor._placement
     if group is None:
         raise RuntimeError(
-            f"{placement.name!r}: this ShardedTensor was loaded from a file and belongs to no "
+            f"{placement.name!r}: this RangeShardedTensor was loaded from a file and belongs to no "
             "process group, so the other ranks' elements cannot be gathered"
         )
     world = dist.get_world_size(group)
@@ -252,10 +314,58 @@ def gather_full(tensor: ShardedTensor) -> torch.Tensor:
     return full.view(placement.shape)
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes), one entry per dimension
+
+
+def range_to_boxes(shape: Sequence[int], start: int, end: int) -> list[Box]:
+    """Split elements ``[start, end)`` of a row-major tensor of ``shape`` into boxes.
+
+    Boxes come in element order, so box ``i`` covers the next ``prod(sizes_i)``
+    elements of the run ([Note: element ranges as boxes]). ``[]`` for an empty run.
+    """
+    shape = tuple(int(s) for s in shape)
+    total = math.prod(shape)
+    if not 0 <= start <= end <= total:
+        raise ValueError(f"range [{start}, {end}) is outside a tensor of {total} elements")
+    if start == end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner, rest = math.prod(shape[1:]), shape[1:]
+    first_row, last_row = start // inner, (end - 1) // inner
+
+    def in_row(row: int, lo: int, hi: int) -> list[Box]:
+        return [((row, *off), (1, *size)) for off, size in range_to_boxes(rest, lo, hi)]
+
+    if first_row == last_row:
+        return in_row(first_row, start - first_row * inner, end - first_row * inner)
+    head = in_row(first_row, start % inner, inner) if start % inner else []
+    tail = in_row(last_row, 0, end % inner) if end % inner else []
+    full_begin, full_end = first_row + bool(head), last_row + 1 - bool(tail)
+    body = []
+    if full_end > full_begin:
+        body = [((full_begin, *([0] * len(rest))), (full_end - full_begin, *rest))]
+    return head + body + tail
+
+
+@functools.lru_cache(maxsize=4096)
+def _boxes_of(shape: tuple[int, ...], start: int, end: int) -> tuple:
+    """``(offsets, sizes, first element in the local piece)`` of every box of a run."""
+    boxes, begin = [], 0
+    for offsets, sizes in range_to_boxes(shape, start, end):
+        boxes.append((offsets, sizes, begin))
+        begin += math.prod(sizes)
+    return tuple(boxes)
+
+
+def _boxes(placement: ShardPlacement) -> tuple:
+    return _boxes_of(tuple(placement.shape), placement.start, placement.end)
+
+
 # -- dispatch rules -------------------------------------------------------------------------
 
 
-def _meta(tensor: ShardedTensor) -> tuple[ShardPlacement, dist.ProcessGroup | None]:
+def _meta(tensor: RangeShardedTensor) -> tuple[ShardPlacement, dist.ProcessGroup | None]:
     return tensor._placement, tensor._group
 
 
@@ -272,7 +382,7 @@ def _is_elementwise(func) -> bool:
 def _run_elementwise(func, args, kwargs):
     if func._schema.name.startswith("aten::_foreach_"):
         return _run_foreach(func, args, kwargs)
-    sharded = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedTensor)]
+    sharded = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, RangeShardedTensor)]
     placement = sharded[0]._placement
     for value in pytree.tree_leaves((args, kwargs)):
         _check_operand(func, value, placement)
@@ -283,14 +393,14 @@ def _run_elementwise(func, args, kwargs):
     if func._schema.is_mutable:
         return args[0]
     if isinstance(out, torch.Tensor) and out.shape == sharded[0]._local.shape:
-        return ShardedTensor(out, *_meta(sharded[0]))
+        return RangeShardedTensor(out, *_meta(sharded[0]))
     return out
 
 
 def _check_operand(func, value, placement: ShardPlacement) -> None:
     # A plain operand with more than one element would broadcast against the local piece:
     # wrong elements, or by chance the right shape. Scalars and same-placement pieces only.
-    if isinstance(value, ShardedTensor):
+    if isinstance(value, RangeShardedTensor):
         if value._placement != placement:
             raise NotImplementedError(
                 f"{func} mixes sharded tensors of different parameters "
@@ -312,19 +422,19 @@ def _run_foreach(func, args, kwargs):
         return None
     models = args[0]
     return [
-        ShardedTensor(o, *_meta(m)) if isinstance(m, ShardedTensor) else o
+        RangeShardedTensor(o, *_meta(m)) if isinstance(m, RangeShardedTensor) else o
         for o, m in zip(out, models, strict=True)
     ]
 
 
 def _copy_into(dst, src, non_blocking: bool = False):
-    if not isinstance(dst, ShardedTensor):
+    if not isinstance(dst, RangeShardedTensor):
         raise NotImplementedError(
             f"copying the sharded {src._placement.name!r} into a plain tensor: it holds this "
             "rank's elements only; use .full_tensor() (collective) or summon_full_params()"
         )
     placement = dst._placement
-    if isinstance(src, ShardedTensor):
+    if isinstance(src, RangeShardedTensor):
         if src._placement.numel != placement.numel or src._placement.start != placement.start:
             raise NotImplementedError(
                 f"copying {src._placement.name!r} into {placement.name!r}: different pieces"
@@ -365,10 +475,10 @@ def _global_norms(func, args, kwargs):
         parts = [x.abs().pow(order).sum() for x in locals_]
         op = dist.ReduceOp.SUM
     partial = torch.stack(parts)
-    group = next((t._group for t in tensors if isinstance(t, ShardedTensor)), None)
+    group = next((t._group for t in tensors if isinstance(t, RangeShardedTensor)), None)
     if group is None:
         raise RuntimeError(
-            "the norm of a ShardedTensor that belongs to no process group (loaded from a "
+            "the norm of a RangeShardedTensor that belongs to no process group (loaded from a "
             "file) cannot be computed: the other ranks' elements are not reachable"
         )
     all_reduce_(partial, group, op=op)
@@ -377,13 +487,13 @@ def _global_norms(func, args, kwargs):
     return list(total.unbind()) if many else total[0]
 
 
-def _global_reduction(func, tensor: ShardedTensor, kwargs: dict) -> torch.Tensor:
+def _global_reduction(func, tensor: RangeShardedTensor, kwargs: dict) -> torch.Tensor:
     """``sum``/``mean``/``max``/``all``... of the FULL tensor: one all_reduce (collective)."""
     local, group = tensor._local, tensor._group
     if group is None:
         raise RuntimeError(
-            f"{func} of {tensor._placement.name!r}, a ShardedTensor that belongs to no process "
-            "group (loaded from a file): the other ranks' elements are not reachable"
+            f"{func} of {tensor._placement.name!r}, a RangeShardedTensor that belongs to no "
+            "process group (loaded from a file): the other ranks' elements are not reachable"
         )
     op = _REDUCTIONS[func]
     if func is aten.mean.default:
@@ -402,7 +512,9 @@ def _global_reduction(func, tensor: ShardedTensor, kwargs: dict) -> torch.Tensor
 
 
 def _refusal(func, args) -> str:
-    names = [a._placement.name for a in pytree.tree_leaves(args) if isinstance(a, ShardedTensor)]
+    names = [
+        a._placement.name for a in pytree.tree_leaves(args) if isinstance(a, RangeShardedTensor)
+    ]
     what = names[0] if names else "a sharded parameter"
     compiling = _compile_refusal(what)
     if compiling is not None:
@@ -429,7 +541,7 @@ def _compile_refusal(name: str) -> str | None:
     )
 
 
-def _raw_memory_refusal(tensor: ShardedTensor) -> str:
+def _raw_memory_refusal(tensor: RangeShardedTensor) -> str:
     compiling = _compile_refusal(tensor._placement.name)
     if compiling is not None:
         return compiling
@@ -443,7 +555,7 @@ def _raw_memory_refusal(tensor: ShardedTensor) -> str:
 
 
 def _rebuild(local: torch.Tensor, placement: ShardPlacement, is_param: bool):
-    tensor = ShardedTensor(local, placement, None)
+    tensor = RangeShardedTensor(local, placement, None)
     return nn.Parameter(tensor) if is_param else tensor
 
 

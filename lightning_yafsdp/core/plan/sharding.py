@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_, check_reduce_dtype
 from lightning_yafsdp.core.comm.mesh import ShardMesh, resolve_mesh
 from lightning_yafsdp.core.compat import outside_compile
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.core.plan.group_spec import GroupSpec
 from lightning_yafsdp.core.plan.materialize import (
     Materializer,
@@ -75,7 +75,7 @@ def shard_model(
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
     After this call ``module.named_parameters()`` yields every original
-    parameter under its original name as a sharded parameter (a ShardedTensor:
+    parameter under its original name as a sharded parameter (a RangeShardedTensor:
     full logical shape, this rank's piece of the flat master shard inside; see
     ``sharded_param.py``), so any optimizer and any param-group split work as on
     the unsharded model. The units are the blocks and the large modules outside
@@ -697,7 +697,7 @@ def _fill_shard(out: torch.Tensor, params, layout: FlatLayout, *, rank, group, s
 def _broadcast_replicated(module: nn.Module, group: ProcessGroup, stats: CommStats) -> None:
     # As DDP at construction: every rank starts from rank 0's frozen parameters and
     # buffers (running stats, anything __init__ drew at random), in module order.
-    frozen = [p.detach() for p in module.parameters() if not isinstance(p, ShardedTensor)]
+    frozen = [p.detach() for p in module.parameters() if not isinstance(p, RangeShardedTensor)]
     tensors = frozen + [b for _, b in module.named_buffers()]
     for buffer in tensors:
         if not buffer.numel():

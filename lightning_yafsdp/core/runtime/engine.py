@@ -23,7 +23,7 @@ from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
 from lightning_yafsdp.core.comm.streams import ScheduleEvent
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.optim_step import OptimizerStepSwap
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.core.runtime.context import StepCallbacks, StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
 from lightning_yafsdp.core.runtime.full_params import FullGather
@@ -506,8 +506,8 @@ def _grads_of(engine: YaFSDPEngine, params) -> tuple[list[torch.Tensor], list[to
     """Local pieces of the sharded grads, and whole grads of replicated params."""
     params = engine.sharded_parameters() if params is None else list(params)
     with_grad = [p for p in params if p.grad is not None]
-    sharded = [p.grad._local for p in with_grad if isinstance(p.grad, ShardedTensor)]
-    replicated = [p.grad for p in with_grad if not isinstance(p.grad, ShardedTensor)]
+    sharded = [p.grad._local for p in with_grad if isinstance(p.grad, RangeShardedTensor)]
+    replicated = [p.grad for p in with_grad if not isinstance(p.grad, RangeShardedTensor)]
     return sharded, replicated
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.comm.buffers import GradBuffer
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor, ShardPlacement
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor, ShardPlacement
 from lightning_yafsdp.core.runtime.autograd import Narrow
 from lightning_yafsdp.core.runtime.layout import FlatLayout
 from lightning_yafsdp.core.runtime.placeholder import UngatheredWeight
@@ -121,7 +121,7 @@ class FlatParamGroup:
     # -- the parameters users see ----------------------------------------------
 
     def make_sharded_params(self, rank: int, process_group) -> None:
-        """One ShardedTensor parameter per span: this rank's piece of the master shard.
+        """One RangeShardedTensor parameter per span: this rank's piece of the master shard.
 
         ``master_ranges[i]`` is where parameter i's piece lies in the whole master
         shard (the grad window and per-element optimizer state use the same offsets).
@@ -136,11 +136,13 @@ class FlatParamGroup:
                 start, end, offset = piece.param_start, piece.param_end, piece.shard_offset
             placement = _placement(span, owners, start, end)
             local = self.master_shard[offset : offset + end - start]
-            self.sharded_params.append(nn.Parameter(ShardedTensor(local, placement, process_group)))
+            self.sharded_params.append(
+                nn.Parameter(RangeShardedTensor(local, placement, process_group))
+            )
             self.master_ranges.append((base + offset, base + offset + end - start))
 
     def make_frozen_params(self, rank: int, process_group) -> None:
-        """One frozen ShardedTensor parameter (requires_grad False) per frozen span."""
+        """One frozen RangeShardedTensor parameter (requires_grad False) per frozen span."""
         if self.frozen_layout is None:
             return
         for index, (span, owners) in enumerate(
@@ -152,7 +154,7 @@ class FlatParamGroup:
             )
             placement = _placement(span, owners, start, end)
             local = self.frozen_shard[offset : offset + end - start]
-            sharded = ShardedTensor(local, placement, process_group)
+            sharded = RangeShardedTensor(local, placement, process_group)
             self.frozen_params.append(nn.Parameter(sharded, requires_grad=False))
 
     def _all_params(self):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
-from lightning_yafsdp.core.optim.sharded_param import ShardedTensor
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
 
 
@@ -49,7 +49,7 @@ class FullGather:
         state = {
             name: tensor.detach()
             for name, tensor in root.state_dict(keep_vars=True).items()
-            if not isinstance(tensor, ShardedTensor)
+            if not isinstance(tensor, RangeShardedTensor)
         }
         for group in groups:
             placed = [(group.layout, self.trainable(group), group.owners)]

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_yafsdp.checkpoint.errors import name_list
-from lightning_yafsdp.checkpoint.export_dir import ExportError
+from lightning_yafsdp.export.directory import ExportError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

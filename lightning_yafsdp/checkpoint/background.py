@@ -1,0 +1,138 @@
+"""Background saves: staged on the main thread, written in a thread on a gloo group of their own.
+
+[Note: background saves]
+``YaFSDPStrategy(async_save=True)`` (Trainer and Fabric) returns from a sharded save as
+soon as the state is STAGED: every ``RangeShardedTensor`` piece, plain tensor and
+object of the DCP state dict copied to CPU (``stage``), ``meta.pt`` pickled to bytes.
+Training then goes on and may change the parameters and optimizer state in place;
+the copy is what gets written. One worker thread then runs the same write as a
+synchronous save ([Note: atomic commit]: DCP's files, ``meta.pt``, the checksum
+manifest, then the rename), so the commit and the manifest happen when the write is
+complete, and a kill -9 at any moment leaves the previous checkpoint intact.
+
+The thread's collectives (DCP's plan exchange, the manifest's gather, the ranks'
+agreement on the outcome) run on a dedicated gloo group created for it, never on the
+training group: two threads issuing collectives on one group would interleave them.
+This is what torchtitan does with ``dcp.async_save`` on a gloo group. We do not call
+``dcp.async_save`` itself: its default stager reads raw storage (``data_ptr``), which
+a RangeShardedTensor refuses on purpose, and its future completes before the manifest
+and the commit, which must run in the same thread after the write. Lightning's
+``AsyncCheckpointIO`` cannot carry it either: it runs a per-rank ``CheckpointIO`` save
+on a copy of the dict without a process group, and a sharded save is collective.
+
+One save at a time: the next save, a load and the end of training ``wait()`` for the
+one in flight. A failed background write (``CheckpointSaveError``, the same one line
+on every rank, [Note: a failed write is one line]) is never lost: ``poll()`` hands its
+line out once, at the next training step, and ``wait()`` raises it at the next save,
+load or end of fit. Every rank raises it there, at the same point of the program,
+since every rank waits there for its own thread and all threads agreed on the outcome.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_yafsdp.checkpoint.atomic import failure_lines
+from lightning_yafsdp.checkpoint.trees import map_leaves
+from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
+
+
+def stage(tree: Any) -> Any:
+    """A copy of a checkpoint tree that later changes to the model cannot reach.
+
+    ``RangeShardedTensor``s keep their placement over a CPU copy of their piece (no
+    process group: nothing collective runs on a staged copy); tensors are copied to
+    CPU; other leaves are deep-copied.
+    """
+
+    def copied(_: Any, value: Any) -> Any:
+        if isinstance(value, RangeShardedTensor):
+            local = value._local.detach().to("cpu", copy=True)
+            return RangeShardedTensor(local, value._placement, None)
+        if isinstance(value, torch.Tensor):
+            return value.detach().to("cpu", copy=True)
+        return copy.deepcopy(value)
+
+    return map_leaves(tree, copied)
+
+
+class BackgroundSaver:
+    """Runs one checkpoint write at a time in a worker thread (see the Note).
+
+    Args:
+        group: the ranks that save together (the engine's world group). A gloo
+            group over the same ranks is created here: collective, every rank
+            constructs its saver at the same point.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        self.group = dist.new_group(ranks=ranks, backend="gloo")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="yafsdp-save")
+        self._in_flight: Future | None = None
+        self._path: Path | None = None
+        self._failure: BaseException | None = None
+        self._announced = False
+
+    @property
+    def in_flight_path(self) -> Path | None:
+        """Where the save in flight commits (None when no save is in flight)."""
+        return self._path if self._in_flight is not None else None
+
+    def submit(self, path: Path, write: Callable[[dist.ProcessGroup], None]) -> None:
+        """Run ``write(group)`` in the worker; the previous save is waited for first."""
+        self.wait()
+        self._path = Path(path)
+        self._in_flight = self._executor.submit(write, self.group)
+
+    def poll(self) -> str | None:
+        """The one line of a failed write, once, as soon as it is known; never blocks."""
+        if self._in_flight is not None and self._in_flight.done():
+            self._collect()
+        if self._failure is None or self._announced:
+            return None
+        self._announced = True
+        return _one_line(self._failure)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raise a failed write's error once.
+
+        Raises:
+            CheckpointSaveError: the background write failed (the previous checkpoint at
+                its path is intact).
+        """
+        if self._in_flight is not None:
+            self._collect()
+        if self._failure is not None:
+            failure, self._failure, self._announced = self._failure, None, False
+            raise failure
+
+    def close(self) -> str | None:
+        """Wait for the save in flight and stop the worker; the failure's line, if any."""
+        try:
+            self.wait()
+        except BaseException as failure:  # noqa: BLE001 - reported, not raised, at teardown
+            return _one_line(failure)
+        finally:
+            self._executor.shutdown(wait=True)
+        return None
+
+    def _collect(self) -> None:
+        future, self._in_flight = self._in_flight, None
+        try:
+            future.result()
+        except BaseException as failure:  # noqa: BLE001 - kept until wait() raises it
+            self._failure = failure
+
+
+def _one_line(failure: BaseException) -> str:
+    lines = failure_lines(failure, dist.get_rank() if dist.is_initialized() else 0)
+    detail = lines[0][1] if lines else type(failure).__name__
+    return f"a background checkpoint save failed: {detail}"
