@@ -23,6 +23,7 @@ trainable parameters keeps a whole unit.
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -89,6 +90,7 @@ def embedding_post_op(module: nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     return lambda rows: rows * module.embed_scale
 
 
+@functools.cache
 def _scaled_forward(cls: type) -> str | None:
     """``"cast"`` / ``"plain"`` if ``cls.forward`` is a known scaled lookup, else None."""
     if cls.__bases__ != (nn.Embedding,) or "forward" not in vars(cls):
