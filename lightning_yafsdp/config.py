@@ -87,6 +87,12 @@ class ModelConfig:
         vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_hidden_dim, max_seq_len,
         rope_theta, norm_eps, tie_embeddings: override the preset's field (None keeps
             the preset's value).
+        loss_chunk_size: Tokens per chunk of the output head and the cross-entropy
+            ([Note: chunked loss]): ``"auto"`` (default: vocabularies of 32768 or more
+            in chunks of at most 2 GiB of fp32 logits, 4096 tokens at Llama-3's 128256;
+            smaller ones whole), ``"none"`` (the whole logits; also ``0`` or ``false``)
+            or a number of tokens. Reference model only; ``kind="hf"`` computes the
+            whole logits.
     """
 
     kind: str = "llama"
@@ -103,9 +109,23 @@ class ModelConfig:
     rope_theta: float | None = None
     norm_eps: float | None = None
     tie_embeddings: bool | None = None
+    loss_chunk_size: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("model", "kind", self.kind, ("llama", "hf"))
+        chunk = self.loss_chunk_size = str(self.loss_chunk_size)
+        if chunk in ("False", "false"):  # YAML reads `off` and `false` as a boolean
+            chunk = self.loss_chunk_size = "none"
+        if chunk not in ("auto", "none") and not chunk.isdigit():
+            raise ConfigError(
+                f"model.loss_chunk_size={chunk!r}: use 'auto', 'none' or a number of tokens"
+            )
+        if self.kind == "hf" and chunk not in ("auto", "none", "0"):
+            raise ConfigError(
+                f"model.loss_chunk_size={chunk} needs model.kind='llama': a Hugging Face "
+                "model computes its logits inside its own forward; use model.loss_chunk_size"
+                "=none (or auto) with model.kind='hf'"
+            )
         if self.kind == "hf" and not self.hf_path:
             raise ConfigError(
                 "model.kind='hf' needs model.hf_path: a local directory holding config.json "

@@ -51,6 +51,7 @@ from lightning_yafsdp.core.comm.mesh import default_shard_size
 from lightning_yafsdp.core.plan.schedule import ScheduledUnit, buffer_sizes
 from lightning_yafsdp.core.plan.sharding import NORM_GROUP, ROOT_GROUP, plan_layouts
 from lightning_yafsdp.dtype_policy import DtypePolicy
+from lightning_yafsdp.training.chunked_loss import recipe_chunk_tokens
 
 GiB = 1024**3
 
@@ -433,8 +434,16 @@ def _activation_bytes(est: Estimate, config: RunConfig, model: nn.Module) -> Non
     act = est.param_bytes
     est.activations_per_unit = b * s * per_token * act
     est.activations_checkpointed_unit = b * s * h * act
-    # Root: embedding output, final norm in/out, logits and their fp32 copy for the loss.
-    logits = b * s * vocab * (act + (4 if config.practices.fp32_loss and act != 4 else 0))
+    # Root: embedding output, final norm in/out, logits and their fp32 copy for the loss:
+    # of one chunk of tokens when the loss runs in chunks ([Note: chunked loss]).
+    chunk = recipe_chunk_tokens(config)
+    rows = b * s if chunk is None else min(b * s, chunk)
+    if rows < b * s:
+        est.notes.append(
+            f"activations: the head and the loss run {rows} of the {b * s} tokens at a time "
+            "(model.loss_chunk_size)"
+        )
+    logits = rows * vocab * (act + (4 if config.practices.fp32_loss and act != 4 else 0))
     est.activations_root = b * s * 3 * h * act + logits
 
 

@@ -536,6 +536,17 @@ class Llama(nn.Module):
         Returns:
             Logits of shape ``[batch, seq, vocab_size]`` in the weights' dtype.
         """
+        return self.output(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Everything but the output head: the final norm's output, the head's input.
+
+        A loss that runs the head itself (over chunks of tokens: [Note: chunked loss],
+        ``training/chunked_loss.py``) calls this, then ``self.output`` on each chunk.
+
+        Returns:
+            ``[batch, seq, dim]``, in the head's weight dtype under ``fp32_residual``.
+        """
         seq_len = tokens.shape[1]
         if seq_len > self.config.max_seq_len:
             raise ValueError(
@@ -552,8 +563,8 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)  # called as a module so sharding hooks fire
         if self.config.fp32_residual:
-            return self.output(self.norm(h).to(self.output.weight.dtype))
-        return self.output(self.norm(h))
+            return self.norm(h).to(self.output.weight.dtype)
+        return self.norm(h)
 
     def tie_weights(self) -> None:
         """Make ``output.weight`` the same Parameter as ``tok_embeddings.weight`` if tied."""

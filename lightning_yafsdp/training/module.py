@@ -22,6 +22,7 @@ from torch import nn
 
 from lightning_yafsdp.config import RunConfig
 from lightning_yafsdp.core.comm.collectives import all_reduce_
+from lightning_yafsdp.training.chunked_loss import chunked_cross_entropy, recipe_chunk_tokens
 from lightning_yafsdp.training.curriculum import Curriculum
 from lightning_yafsdp.training.guard import DivergenceGuard
 from lightning_yafsdp.training.models import build_model, model_init_fn
@@ -63,6 +64,8 @@ class CausalLMModule(pl.LightningModule):
         earlier: What the segments before a resume did (``RunHistory``, all zero for a
             fresh run); saved in every checkpoint under ``"yafsdp_run"``.
         guard: The divergence guard (None when off).
+        loss_chunk_tokens: Tokens per chunk of the head and the loss ([Note: chunked
+            loss], ``model.loss_chunk_size``); None: the whole logits.
     """
 
     def __init__(self, config: RunConfig, *, schedule_steps: int | None = None) -> None:
@@ -72,6 +75,7 @@ class CausalLMModule(pl.LightningModule):
             schedule_steps or config.schedule.total_steps or (config.trainer.max_steps)
         )
         self.model: nn.Module | None = None
+        self.loss_chunk_tokens = recipe_chunk_tokens(config)
         practices = config.practices
         self.curriculum = (
             Curriculum(
@@ -113,9 +117,19 @@ class CausalLMModule(pl.LightningModule):
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats) of a ``[batch, seq + 1]`` window batch."""
+        fp32 = self.config.practices.fp32_loss  # [YaLM] the softmax before the loss in fp32
+        if self.loss_chunk_tokens is not None:  # [Note: chunked loss]
+            assert self.model is not None
+            return chunked_cross_entropy(
+                self.model.hidden_states(batch[:, :-1]),
+                self.model.output,
+                batch[:, 1:],
+                chunk_tokens=self.loss_chunk_tokens,
+                fp32=fp32,
+            )
         logits = self(batch[:, :-1])
-        if self.config.practices.fp32_loss:
-            logits = logits.float()  # [YaLM] the softmax before the loss in fp32
+        if fp32:
+            logits = logits.float()
         return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
     # -- training -----------------------------------------------------------------------

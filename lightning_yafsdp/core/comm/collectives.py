@@ -10,8 +10,10 @@ which stream and with which waits a collective is issued.
 
 from __future__ import annotations
 
+import atexit
 import pickle
-from collections import Counter, deque
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,35 +33,82 @@ _reduce_scatter_single = compat.reduce_scatter_single
 # [Note: gloo work outlives its wait]
 # gloo runs each collective on one of the process group's worker threads, which drops
 # its reference to the work, and through it to the tensors, just AFTER marking it done:
-# after the caller's wait() returned. When that is the last C++ reference to a tensor
-# that has a Python object, torch takes the GIL to hand the object back. If the program
-# has started exiting by then, CPython ends the worker thread (pthread_exit) and the
-# unwinding through gloo's noexcept run loop calls std::terminate: "terminate called
-# without an active exception", SIGABRT, exit code 134, after a run that went well.
-# The engine's last collectives (the last backward's reduce_scatters, tag exchanges and
-# all_reduce) come a few ms before the end of a fit: 1 launch in 160 aborted; a script
-# that exits right after a collective aborts in ~20% of its ranks. DDP's last
-# collectives on Python tensors come earlier, and its gradient buckets have no Python
-# objects. So the works of the latest CPU collectives are kept here: the worker's
-# drop is never the last one, and the tensors are let go by the main thread (with the
-# GIL) when newer collectives push them out or when the interpreter clears this
-# module. Blocking collectives are issued async and waited here for the same reason.
-# CUDA (NCCL) works are not kept: a kept work would pin its tensors' device memory.
-_KEPT_WORKS = 8
-_recent_cpu_works: deque = deque(maxlen=_KEPT_WORKS)
+# after the caller's wait() returned. When that drop takes a tensor that has a Python
+# object from two references to one (torch 2.13's PyObject preservation: the C++ side
+# holds the Python object while any C++ reference exists), torch takes the GIL to let
+# go of the object. If the program has started exiting by then, CPython ends the worker
+# thread (pthread_exit) and the unwinding through gloo's noexcept run loop calls
+# std::terminate: "terminate called without an active exception", SIGABRT, exit code
+# 134, after a run that went well. The engine's last collectives come a few ms before
+# the end of a fit: 1 launch in 160 aborted; a script that exits right after a
+# collective aborts in ~20% of its ranks.
+# So no drop by a worker may be a tensor's last C++ reference. ``_issue`` hands the
+# collective a fresh alias of each tensor (``detach()``: same storage and version
+# counter, no other holder) and keeps a second C++ reference to the aliases
+# (``torch.ScriptList``) until the aliases' use counts show that the work let go of
+# them; the main thread (with the GIL) then drops them. The work itself is not kept:
+# gloo's own temporaries (the flattened copy a reduce_scatter makes, ~a unit's grad)
+# have no Python objects and go with the work when the worker drops it. Keeping the
+# latest 8 works instead (issue 27's fix) held those temporaries: +100 MiB peak RSS per
+# rank on a 64M-param model. What is held now is only the caller's tensors, until the
+# worker is done with them (microseconds after the wait). At exit, ``release_at_exit``
+# waits (with the GIL released) for the workers to let go of everything still held.
+# CUDA (NCCL) collectives are not wrapped: their works run no Python-visible drops.
+_TENSORS_HELD_BY_US = 2  # the alias's own Python object + our ScriptList
+
+
+class _HeldTensors:
+    """Collectives' tensors kept alive from the main thread until gloo's worker let go."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+
+    def hold(self, aliases: tuple[torch.Tensor, ...]) -> None:
+        self.release_finished()
+        if aliases:
+            self._held.append((torch.ScriptList(list(aliases)), aliases))
+
+    def release_finished(self) -> None:
+        """Let go of the entries no work refers to any more (from the main thread)."""
+        if self._held:
+            self._held = [entry for entry in self._held if not _let_go(entry[1])]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def release_at_exit(self, *, timeout_s: float = 2.0) -> None:
+        """Wait, the GIL released, until the workers let go of every held tensor.
+
+        What a work still holds after ``timeout_s`` (a collective that never finished)
+        stays held: dropping it here would hand the last drop to the worker again.
+        """
+        deadline = time.monotonic() + timeout_s
+        self.release_finished()
+        while self._held and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self.release_finished()
+
+
+def _let_go(aliases: tuple[torch.Tensor, ...]) -> bool:
+    return all(alias._use_count() <= _TENSORS_HELD_BY_US for alias in aliases)
+
+
+_held_tensors = _HeldTensors()
+atexit.register(_held_tensors.release_at_exit)
 
 
 def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
-    """``collective(*args, async_op=..., **kwargs)``; a CPU collective's work is kept.
+    """``collective(*args, async_op=..., **kwargs)``; a CPU collective's tensors are held.
 
     ``tensor``: one of the collective's tensors, whose device decides
     ([Note: gloo work outlives its wait]).
     """
     if tensor.device.type != "cpu":
         return collective(*args, async_op=async_op, **kwargs)
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     work = collective(*args, async_op=True, **kwargs)
     if work is not None:  # None: a backend or rank that did not take part
-        _recent_cpu_works.append(work)
+        _held_tensors.hold(tuple(a for a in args if isinstance(a, torch.Tensor)))
     if async_op:
         return work
     if work is not None:
