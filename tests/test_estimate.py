@@ -269,7 +269,7 @@ def test_a_tied_weight_under_zero2_is_gathered_and_held_once() -> None:
     # and the grad slots are block-sized.
     zero2 = [*_GEMMA2_9B_TIED, "strategy.zero_stage=2"]
     est = _floor_estimate("llama3-8b", 8, options=zero2)
-    assert not est.notes, est.notes
+    assert not any("not in row chunks" in n for n in est.notes), est.notes
     model_numel = sum(g.padded_numel for g in est.units)
     assert est.weight_buffers == 2 * model_numel  # bf16, every unit's slot once
     # Grad slots: 2 x a block (1.49 GB) + 2 reduce outputs, each the largest part of a
