@@ -343,3 +343,15 @@ def test_a_frozen_value_drawn_in_the_constructor_is_rank_zeros_on_every_rank():
     torch.manual_seed(200)  # rank 0's generator before its build
     assert torch.equal(first["initial"]["model.gain"], torch.Tensor(8).uniform_())
     assert torch.equal(second["initial"]["model.gain"], first["initial"]["model.gain"])
+
+
+def test_a_constant_from_python_data_stays_meta_and_keeps_its_value():
+    from lightning_yafsdp.core.plan.meta_build import meta_device, value_from_constructor
+
+    with meta_device():
+        scale = nn.Parameter(torch.tensor(2.5))
+        # The constructor's own arithmetic with other meta tensors works as on plain meta.
+        mixed = torch.tensor([1.0, 2.0]) * torch.ones(2)
+    assert scale.is_meta and mixed.is_meta
+    assert value_from_constructor(scale).item() == 2.5
+    assert value_from_constructor(mixed) is None  # computed, not data: the init guard's

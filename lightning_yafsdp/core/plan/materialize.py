@@ -40,7 +40,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_yafsdp.core.comm.collectives import CommStats, broadcast_
-from lightning_yafsdp.core.plan.meta_build import init_parametrized_weights
+from lightning_yafsdp.core.plan.meta_build import init_parametrized_weights, value_from_constructor
 
 # A module may carry, under this attribute of its ``__dict__``, a source of saved values
 # for the meta tensors of the model (e.g. a safetensors checkpoint; see
@@ -175,6 +175,7 @@ class Materializer:
         self._groups_done = 0
         self._unit_module_of: dict[str, nn.Module] = {}
         self._real_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._constructed: dict[int, torch.Tensor] = {}  # id(real tensor) -> its value
         self._module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
         self._tree = ModuleTree.of(root)
         family = model_init(root, self._tree) if model_init is not None else None
@@ -260,7 +261,7 @@ class Materializer:
         if not modules:
             return
         real_before = _real_tensor_versions(self.root)
-        fresh = self._allocate(modules)
+        fresh = self._take_constructed(self._allocate(modules))
         versions = [_poison(t) for _, _, t in fresh]
         tensors = [t for _, _, t in fresh]
         owners = _unique([m for m, _, _ in fresh])
@@ -293,10 +294,27 @@ class Materializer:
         data = torch.empty_like(meta, device=self.device)
         real = type(meta)(data, meta.requires_grad) if isinstance(meta, nn.Parameter) else data
         self._real_of[id(meta)] = (meta, real)  # the meta tensor is kept so its id stays unique
+        value = value_from_constructor(meta)
+        if value is not None:
+            self._constructed[id(real)] = value
         return real, True
 
+    def _take_constructed(self, fresh):
+        """Give tensors the constructor made from Python data that value ([Note: constructor
+        values in meta builds]); the rest, still to initialize."""
+        rest = []
+        for module, attr, tensor in fresh:
+            value = self._constructed.pop(id(tensor), None)
+            if value is None:
+                rest.append((module, attr, tensor))
+                continue
+            with torch.no_grad():
+                tensor.copy_(value)
+        return rest
+
     def _initialize(self, fresh, targets: list[nn.Module]) -> None:
-        to_init = [(m, a, t) for m, a, t in fresh if not self._load(m, a, t)]
+        unloaded = [(m, a, t) for m, a, t in fresh if not self._load(m, a, t)]
+        to_init = self._take_constructed(unloaded)
         if not to_init:
             self._groups_done += 1
             return

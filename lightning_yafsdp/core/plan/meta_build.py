@@ -7,13 +7,15 @@ family's ``_init_weights``). Some values come from no init scheme, only from the
 constructor itself, and three kinds are common enough to keep:
 
 1. **Constants from Python data**: ``nn.Parameter(torch.tensor(config.logit_scale_init))``
-   (CLIP). ``meta_device()`` builds tensors made from Python data (``torch.tensor``,
-   ``torch.as_tensor``) on the CPU, so they hold the constructor's value. They are never an
-   init draw, and they are as small as the data the constructor wrote out.
+   (CLIP). Under ``meta_device()`` a tensor made from Python data (``torch.tensor``,
+   ``torch.as_tensor``) stays on the meta device (the constructor's arithmetic with other
+   meta tensors works as before) and its value is computed on the CPU beside it; the
+   materializer gives the real tensor that value instead of an init (it is never an init
+   draw, and the same on every rank).
 2. **Small tensors the constructor made real anyway**: the legacy ``torch.Tensor(n)``
    ignores the device context (wav2vec2's ``masked_spec_embed``, ``.uniform_()`` in
    ``__init__``). ``meta_device()`` remembers the small real tensors made inside it, and
-   those (with kind 1) are accepted in a meta build; rank 0's value is broadcast so that
+   those are accepted in a meta build; rank 0's value is broadcast so that
    every rank starts from the same draw. Any other real tensor beside meta ones is still
    refused (a half-loaded model, a module built in ``__init__``).
 3. **Weight-norm parametrizations** (``nn.utils.parametrizations.weight_norm``, wav2vec2's
@@ -45,23 +47,31 @@ _FROM_DATA = (torch.tensor, torch.as_tensor)
 # t's storage, so a parameter is found by its data pointer. Holding the tensors keeps the
 # addresses from being reused by another tensor (they are small by construction).
 _made_under_meta: dict[int, torch.Tensor] = {}
+# The values of meta tensors made from Python data, by the meta storage's identity (which
+# nn.Parameter(t) shares too): the meta tensor (kept, so the key stays unique) and its value.
+_values_of_meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class _ConstructorData(TorchFunctionMode):
-    """Tensors made from Python data land on the CPU unless a device is named; small real
-    tensors made here (kinds 1 and 2 of the note) are remembered."""
+    """Remembers what a meta build's constructor computed (kinds 1 and 2 of the note).
+
+    Tensors made from Python data stay on the meta device, so the constructor's own
+    arithmetic with other meta tensors works as before; their values are computed on the
+    CPU beside them. Small real tensors made here (the legacy ``torch.Tensor(n)``) are
+    remembered as they are.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func in _FROM_DATA and kwargs.get("device") is None:
-            kwargs["device"] = "cpu"
+        kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if (
-            isinstance(result, torch.Tensor)
-            and result.device.type != "meta"
-            and 0 < result.numel() <= CONSTRUCTOR_VALUE_MAX_NUMEL
-        ):
-            _made_under_meta[result.untyped_storage().data_ptr()] = result
+        if not isinstance(result, torch.Tensor) or result.numel() > CONSTRUCTOR_VALUE_MAX_NUMEL:
+            return result
+        if result.device.type != "meta":
+            if result.numel():
+                _made_under_meta[result.untyped_storage().data_ptr()] = result
+        elif func in _FROM_DATA and kwargs.get("device") is None:
+            value = func(*args, **{**kwargs, "device": "cpu"})
+            _values_of_meta[result.untyped_storage()._cdata] = (result, value)
         return result
 
 
@@ -72,8 +82,14 @@ def meta_device() -> Iterator[None]:
         yield
 
 
+def value_from_constructor(meta: torch.Tensor) -> torch.Tensor | None:
+    """The value a meta tensor was made with from Python data (kind 1), or None."""
+    known = _values_of_meta.get(meta.untyped_storage()._cdata)
+    return None if known is None else known[1]
+
+
 def constructor_values(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The real parameters of a meta build that its constructor made (kinds 1 and 2).
+    """The real parameters of a meta build that its constructor made (kind 2).
 
     Empty unless the module also holds meta parameters. Real parameters made elsewhere
     (built in ``__init__``, loaded with ``assign=True``) are not constructor values.
