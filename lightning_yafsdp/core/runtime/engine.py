@@ -129,6 +129,7 @@ class YaFSDPEngine:
         # in master order: the unit groups, then the resident groups.
         self.units: list[ShardedUnit] = ctx.order
         self._groups: list[FlatParamGroup] = []
+        self._residents, self._root_units = (), ()  # views of the lists, set by add_groups
         self._hooks: list = []
         self._full = FullGather(self.shard_group, self.shard_rank, device, self.comm_stats)
         self._weights_stale = True
@@ -143,16 +144,19 @@ class YaFSDPEngine:
         """
         self.units.extend(units)
         self._groups = [*dict.fromkeys(unit.param_group for unit in self.units), *residents]
+        # Views of the one list, fixed from here on: every unit's pre-forward reads both.
+        self._residents = tuple(g for g in self._groups if isinstance(g, ResidentGroup))
+        self._root_units = tuple(unit for unit in self.units if not unit.is_block)
 
     @property
-    def residents(self) -> list[ResidentGroup]:
+    def residents(self) -> tuple[ResidentGroup, ...]:
         """The resident groups ([Note: resident groups]): the root remainder, the norms."""
-        return [group for group in self._groups if isinstance(group, ResidentGroup)]
+        return self._residents
 
     @property
-    def root_units(self) -> list[ShardedUnit]:
+    def root_units(self) -> tuple[ShardedUnit, ...]:
         """The units that are no block (embeddings, head: [Note: root units])."""
-        return [unit for unit in self.units if not unit.is_block]
+        return self._root_units
 
     # -- what the optimizer sees -------------------------------------------------
 
