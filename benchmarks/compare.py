@@ -67,8 +67,10 @@ from pathlib import Path
 from typing import Any
 
 try:  # run as a script (python benchmarks/compare.py): benchmarks/ is on sys.path
+    import _breakdown as bd
     import _measure as m
 except ImportError:  # imported as benchmarks.compare from the repository root
+    from benchmarks import _breakdown as bd
     from benchmarks import _measure as m
 
 WORLD_SIZE = 2
@@ -253,6 +255,8 @@ def _timer_callback(cfg: dict, rank: int):
             self.profiler = None
             self.result: dict[str, Any] = {}
             self._t0 = 0.0
+            self.phases = bd.PhaseClock() if cfg["breakdown"] else None
+            self.engine_timing = None
 
         def on_train_start(self, trainer, pl_module) -> None:
             # End of the build phase: configure_model, wrapping/sharding, optimizers.
@@ -267,6 +271,8 @@ def _timer_callback(cfg: dict, rank: int):
                 engine = engine_of(trainer)
                 if engine is not None:
                     engine.comm_stats.reset()
+                if self.phases is not None:
+                    self.engine_timing = bd.start_engine_timing(engine)
                 trainer.strategy.barrier()
                 if cfg["profile"] and rank == 0:
                     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -277,6 +283,16 @@ def _timer_callback(cfg: dict, rank: int):
             if cuda:
                 torch.cuda.synchronize()
             self._t0 = time.perf_counter()
+            if self.phases is not None:
+                self.phases.mark("start")
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            if self.phases is not None:
+                self.phases.mark("before_backward")
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            if self.phases is not None:
+                self.phases.mark("after_backward")
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             if cuda:
@@ -284,12 +300,17 @@ def _timer_callback(cfg: dict, rank: int):
             elapsed = time.perf_counter() - self._t0
             if batch_idx >= cfg["warmup"]:
                 self.times.append(elapsed)
+            if self.phases is not None:
+                self.phases.close_step(measured=batch_idx >= cfg["warmup"])
             if batch_idx == cfg["warmup"] + cfg["steps"] - 1:
                 # Last step, before the next zero_grad: gradient shards still exist.
                 engine = engine_of(trainer)
                 if engine is not None:
                     self.result["memory_report"] = engine.memory_report()
                     self.result["comm"] = engine.comm_stats.snapshot()
+                self.result["engine_timing"] = bd.stop_engine_timing(
+                    self.engine_timing, cfg["steps"]
+                )
 
         def on_train_end(self, trainer, pl_module) -> None:
             self.result["train_peak_kib"] = m.hwm_kib()
@@ -441,6 +462,8 @@ def _rank_result(rank: int, memory: dict, module, trainer, timer) -> dict:
         "n_params_local": sum(p.numel() for p in module.parameters()),
         "comm": res.get("comm"),
         "memory_report": res.get("memory_report"),
+        "phases": timer.phases.steps if timer.phases is not None else None,
+        "engine_timing": res.get("engine_timing"),
         "cuda": res.get("cuda"),
         "strategy_class": type(trainer.strategy).__name__,
         "precision_class": type(trainer.strategy.precision_plugin).__name__,
@@ -482,6 +505,7 @@ def _run_job(
             "profile": profile,
             "profile_rows": args.profile_rows,
             "compile": args.compile,
+            "breakdown": getattr(args, "breakdown", False),
         }
         nprocs = 1 if strategy == FLOOR else WORLD_SIZE
         mp.spawn(_rank_main, args=(cfg,), nprocs=nprocs, join=True)
@@ -521,6 +545,8 @@ def _summarize(name: str, jobs: list[list[dict]], mem_jobs: list[list[dict]], st
         summary["cuda_memory_per_rank"] = [
             {k: max(job[r]["cuda"][k] for job in jobs) for k in first[r]["cuda"]} for r in range(n)
         ]
+    summary["phases"] = bd.phase_medians(jobs)
+    summary["engine_timing"] = bd.engine_means(jobs)
     if first[0]["comm"] is not None:
         summary["comm_per_step"] = m.comm_per_step(first[0]["comm"], steps)
         summary["memory_report"] = first[0]["memory_report"]
@@ -822,6 +848,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="CPU: skip the 1-job-per-strategy pass with RSS-tracking malloc settings",
     )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="where each step's milliseconds go: forward/backward/optimizer per strategy "
+        "against the floor, and yafsdp's hooks (Python, issuing, exposed waits by kind)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, seconds per job")
     parser.add_argument("--json", dest="json_path", help="write all results to this file")
     parser.add_argument("--plot", help="write a PNG chart here (needs matplotlib)")
@@ -968,6 +1000,10 @@ def _report(
             "median step; overhead vs PEER = overhead(strategy) / overhead(PEER)):\n"
         )
         print(overhead_table)
+    breakdown = bd.render(summaries, FLOOR, m.markdown_table)
+    if breakdown:
+        print("\nWhere the step goes (phase medians, ms; the slower rank per step):\n")
+        print(breakdown)
     print(
         "per-round medians (s): "
         + "; ".join(

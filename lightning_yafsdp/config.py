@@ -367,6 +367,12 @@ class StrategyConfig:
         vocab_chunks: Run an embedding or head larger than a block (tied or not) in row
             chunks of at most a block each, so no buffer is vocabulary-sized; what stays
             whole is named by ``yafsdp estimate``.
+        blocks_per_unit: ``"auto"`` (default): consecutive small blocks are gathered and
+            reduced as one unit until it holds 4M elements (at least 4 units of blocks
+            kept; blocks of 4M elements or more stay one per unit), so few collectives
+            carry enough bytes; a number: that many blocks per unit (``1``: one block per
+            unit). ``yafsdp estimate`` prints the units chosen; activation checkpointing
+            counts these units.
     """
 
     name: str = "yafsdp"
@@ -379,9 +385,16 @@ class StrategyConfig:
     verify_checksums: bool = True
     async_save: bool = False
     vocab_chunks: bool = True
+    blocks_per_unit: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))
+        per_unit = str(self.blocks_per_unit)
+        if per_unit != "auto" and not (per_unit.isdigit() and int(per_unit) >= 1):
+            raise ConfigError(
+                f"strategy.blocks_per_unit={self.blocks_per_unit!r}: use 'auto' or a whole "
+                "number of blocks >= 1 (1: one block per unit)"
+            )
         size = self.shard_size
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"strategy.shard_size={size!r}: a positive integer, or null")
@@ -398,6 +411,12 @@ class StrategyConfig:
                 "strategy.activation_checkpointing='auto' needs strategy.activation_memory_gb "
                 "(the activation budget per rank, GiB)"
             )
+
+    @property
+    def blocks_per_unit_value(self) -> int | str:
+        """``blocks_per_unit`` as the strategies take it: ``"auto"`` or an int."""
+        per_unit = str(self.blocks_per_unit)
+        return per_unit if per_unit == "auto" else int(per_unit)
 
 
 @dataclass

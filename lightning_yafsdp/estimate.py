@@ -96,6 +96,7 @@ class GroupSize:
     backward_reads_weights: bool = True  # False: plain embeddings, not re-gathered (ZeRO-3)
     frozen_padded_numel: int = 0  # a unit's frozen parameters ([Note: frozen shards])
     frozen_shard_numel: int = 0
+    blocks: int = 1  # a unit of grouped blocks holds several ([Note: grouped blocks])
 
 
 @dataclass
@@ -151,13 +152,21 @@ class Estimate:
         }
 
     def activations(self, checkpointed_units: int) -> int:
-        """Peak activation bytes with the first ``checkpointed_units`` blocks recomputed."""
-        n = self.num_blocks
-        k = max(0, min(n, checkpointed_units))
-        total = (n - k) * self.activations_per_unit + k * self.activations_checkpointed_unit
-        if k:  # one recomputed unit's activations exist again during its backward
+        """Peak activation bytes with the first ``checkpointed_units`` units of blocks
+        recomputed (``activations_per_unit``: of one block; a unit of grouped blocks
+        recomputes block by block)."""
+        blocks = [g.blocks for g in self.units if g.is_block]
+        k = max(0, min(len(blocks), checkpointed_units))
+        kept, recomputed = sum(blocks[k:]), sum(blocks[:k])
+        total = kept * self.activations_per_unit + recomputed * self.activations_checkpointed_unit
+        if k:  # one recomputed block's activations exist again during its backward
             total += self.activations_per_unit
         return total + self.activations_root
+
+    @property
+    def num_grouped_blocks(self) -> int:
+        """Blocks in the units of blocks (more than ``num_blocks`` when grouped)."""
+        return sum(g.blocks for g in self.units if g.is_block)
 
     @property
     def num_blocks(self) -> int:
@@ -242,6 +251,7 @@ def group_sizes(
     norm_classes=None,
     vocab_chunks=False,
     zero_stage: int = 3,
+    blocks_per_unit="auto",
     notes: list[str] | None = None,
 ) -> tuple[list[GroupSize], list[GroupSize], list[ScheduledUnit]]:
     """The engine's flat groups of ``model`` (meta device is fine): units, residents, schedule.
@@ -258,15 +268,18 @@ def group_sizes(
         norm_classes=norm_classes,
         vocab_chunks=vocab_chunks,
         zero_stage=zero_stage,
+        blocks_per_unit=blocks_per_unit,
     )
+    members = [len(spec.modules) if spec.is_block else 1 for spec in plan.specs[0]]
     if notes is not None:
+        notes += _grouping_notes(members, plan.blocks)
         notes += [
             f"not in row chunks: '{name}' ({blocks:.1f}x a block): {reason}; its buffer "
             "slots are its size"
             for name, reason, blocks in plan.unchunked
         ]
 
-    def size(name, layout, *, is_block=False, frozen=None, reads=True) -> GroupSize:
+    def size(name, layout, *, is_block=False, frozen=None, reads=True, blocks=1) -> GroupSize:
         return GroupSize(
             name,
             layout.numel,
@@ -277,6 +290,7 @@ def group_sizes(
             backward_reads_weights=reads,
             frozen_padded_numel=frozen.padded_numel if frozen is not None else 0,
             frozen_shard_numel=frozen.shard_numel if frozen is not None else 0,
+            blocks=blocks,
         )
 
     residents = [
@@ -285,12 +299,24 @@ def group_sizes(
         if layout is not None
     ]
     unit_sizes = [
-        size(name, layout, is_block=block, frozen=frozen, reads=reads)
-        for (name, layout), block, frozen, reads in zip(
-            plan.units, plan.blocks, plan.frozen, plan.backward_reads_weights, strict=True
+        size(name, layout, is_block=block, frozen=frozen, reads=reads, blocks=count)
+        for (name, layout), block, frozen, reads, count in zip(
+            plan.units, plan.blocks, plan.frozen, plan.backward_reads_weights, members,
+            strict=True,
         )
     ]
     return unit_sizes, residents, plan.schedule()
+
+
+def _grouping_notes(members: list[int], blocks: tuple[bool, ...]) -> list[str]:
+    """The grouping the plan chose, when it grouped ([Note: grouped blocks])."""
+    if max(members, default=1) == 1:
+        return []
+    return [
+        f"units: {sum(m for m, b in zip(members, blocks) if b)} blocks in {sum(blocks)} units "
+        f"of up to {max(members)} (strategy.blocks_per_unit; small blocks share one gather "
+        "and reduce-scatter)"
+    ]
 
 
 def estimate(
@@ -325,7 +351,7 @@ def estimate(
     strategy, notes = config.strategy, []
     units, residents, schedule = group_sizes(
         model, shard_size, vocab_chunks=strategy.vocab_chunks, zero_stage=strategy.zero_stage,
-        notes=notes,
+        blocks_per_unit=strategy.blocks_per_unit_value, notes=notes,
     )  # fmt: skip
     p, r, m = (dt.itemsize for dt in (param_dtype, reduce_dtype, master_dtype))
     est = Estimate(

@@ -172,6 +172,13 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
             or not, frozen or not (a LoRA-wrapped one stays whole: ``yafsdp estimate``
             names what does). Default True; False keeps them whole
             units, each gathered at once (docs/design.md, Row chunks).
+        blocks_per_unit: Consecutive blocks gathered and reduce-scattered as one unit,
+            so small blocks pay one collective's fixed cost together (docs/design.md,
+            Grouped blocks). ``"auto"`` (default): auto-detected blocks under 4M elements
+            are grouped until a unit holds 4M, keeping at least 4 units of blocks; larger
+            blocks (any model above ~1B parameters) stay one per unit, and units named with
+            ``units=`` stay as named. A number groups that many blocks (auto-detected or
+            named); 1 keeps one block per unit. Buffer slots are sized to a unit.
 
     Raises:
         TypeError: for an argument this strategy does not take (with the replacement
@@ -199,6 +206,7 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
         vocab_chunks: bool = True,
+        blocks_per_unit: int | str = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

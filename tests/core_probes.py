@@ -35,8 +35,9 @@ def train_step(model, optimizer, seed: int = 0) -> None:
 
 
 def record_schedule(
-    activation_checkpointing=None, zero_stage: int = 3, shard_size: int | None = None
-) -> dict:
+    activation_checkpointing=None, zero_stage: int = 3, shard_size: int | None = None,
+    blocks_per_unit="auto",
+) -> dict:  # fmt: skip
     """One recorded training step after a warm-up step."""
     model = tiny_llama()
     engine = shard_model(
@@ -44,6 +45,7 @@ def record_schedule(
         zero_stage=zero_stage,
         activation_checkpointing=activation_checkpointing,
         shard_size=shard_size,
+        blocks_per_unit=blocks_per_unit,
     )
     optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
     train_step(model, optimizer)

@@ -34,9 +34,15 @@ def _call(fn, items):
         {"activation_checkpointing": (0, 2)},
         {"activation_checkpointing": "all"},
         {"zero_stage": 2},
+        {"blocks_per_unit": 2},
+        {"blocks_per_unit": 3, "activation_checkpointing": "all"},
+        {"blocks_per_unit": 2, "zero_stage": 2},
     ],
-    ids=["zero3", "checkpoint-alternate", "checkpoint-all", "zero2"],
-)
+    ids=[
+        "zero3", "checkpoint-alternate", "checkpoint-all", "zero2", "grouped",
+        "grouped-uneven-checkpointed", "grouped-zero2",
+    ],
+)  # fmt: skip
 def test_recorded_schedule_meets_the_four_conditions(options) -> None:
     recorded = probe("record_schedule", **options)
     assert any(e.op == "backward_start" for e in recorded["log"]), "the step was recorded"

@@ -188,6 +188,12 @@ def check_bool(name: str, value: Any) -> bool:
     refuse(name, value, "True or False", error=TypeError)
 
 
+def check_blocks_per_unit(name: str, value: Any) -> int | str:
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    refuse(name, value, "'auto' or a whole number of blocks >= 1 (1: one block per unit)")
+
+
 def check_timeout(name: str, value: Any) -> timedelta | None:
     accepts = (
         "a datetime.timedelta or a number of seconds greater than 0, or None (torch's default)"
@@ -272,6 +278,7 @@ SHARDING_CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "sync_module_states": check_optional_bool,
     "cast_forward_inputs": check_bool,
     "vocab_chunks": check_bool,
+    "blocks_per_unit": check_blocks_per_unit,
     "timeout": check_timeout,
     "process_group_backend": check_process_group_backend,
     "state_dict_type": check_state_dict_type,

@@ -60,6 +60,7 @@ class ShardingOptions:
     shard_size: int | None = None
     device_mesh: Any = None  # a DeviceMesh or (replicas, shard_size)
     vocab_chunks: bool = True
+    blocks_per_unit: int | str = "auto"
 
     def __post_init__(self) -> None:
         # [Note: arguments checked in the constructor] (arguments.py): each value is

@@ -78,6 +78,7 @@ def shard_module(
         ),
         cast_forward_inputs=options.cast_forward_inputs,
         vocab_chunks=options.vocab_chunks,
+        blocks_per_unit=options.blocks_per_unit,
         param_init_fn=options.param_init_fn or getattr(module, "init_submodule", None),
         model_init=hf_model_init,
     )

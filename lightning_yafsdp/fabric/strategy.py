@@ -96,7 +96,8 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy, _Sharded
     Takes the arguments of :class:`lightning_yafsdp.strategy.YaFSDPStrategy` (units,
     norm_classes, zero_stage, reduce_dtype, activation_checkpointing, param_init_fn,
     sync_module_states, cast_forward_inputs, timeout, process_group_backend,
-    state_dict_type, verify_checksums, async_save, shard_size, device_mesh, vocab_chunks),
+    state_dict_type, verify_checksums, async_save, shard_size, device_mesh, vocab_chunks,
+    blocks_per_unit),
     documented there. With ``async_save=True`` the next ``fabric.save``/``fabric.load`` and
     ``teardown`` wait for a save in flight; after the last save of a script call
     ``fabric.strategy.wait_for_checkpoint()`` to see a failure raised.
@@ -130,6 +131,7 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy, _Sharded
         shard_size: int | None = None,
         device_mesh: DeviceMesh | tuple[int, int] | None = None,
         vocab_chunks: bool = True,
+        blocks_per_unit: int | str = "auto",
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,

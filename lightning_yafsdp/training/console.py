@@ -143,7 +143,7 @@ def startup_panel(
     facts.add_row("model", f"{model_name}: {human_count(est.num_parameters)} parameters")
     facts.add_row(
         "units",
-        f"{est.num_blocks} blocks + {len(est.units) - est.num_blocks} root units, sharded "
+        f"{_blocks_text(est)} + {len(est.units) - est.num_blocks} root units, sharded "
         f"(largest {human_count(largest.numel)} elements) + "
         f"{', '.join(g.name for g in est.residents)} resident",
     )
@@ -220,3 +220,11 @@ def print_paths(paths: dict[str, str], *, console: Console) -> None:
 
 def print_rich(renderable: Any) -> None:
     Console(soft_wrap=False).print(renderable)
+
+
+def _blocks_text(est) -> str:
+    """``16 blocks``, or ``16 blocks in 8 units`` when blocks are grouped."""
+    blocks = est.num_grouped_blocks
+    if blocks == est.num_blocks:
+        return f"{blocks} blocks"
+    return f"{blocks} blocks in {est.num_blocks} units"

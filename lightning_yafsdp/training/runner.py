@@ -74,6 +74,7 @@ def build_strategy(config: RunConfig, est: Estimate) -> Any:
         verify_checksums=config.strategy.verify_checksums,
         async_save=config.strategy.async_save,
         vocab_chunks=config.strategy.vocab_chunks,
+        blocks_per_unit=config.strategy.blocks_per_unit_value,
         # The engine would otherwise cast each block's floating inputs, the residual
         # stream included, to bf16, undoing fp32_residual at every block boundary.
         cast_forward_inputs=not config.practices.fp32_residual,

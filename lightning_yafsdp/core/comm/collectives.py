@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup, ReduceOp
 
 from lightning_yafsdp.core import compat
+from lightning_yafsdp.core.comm import step_timing
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.mesh import ShardMesh
@@ -112,7 +113,13 @@ def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
     if async_op:
         return work
     if work is not None:
-        work.wait()
+        timing = step_timing.active()
+        if timing is None:
+            work.wait()
+        else:  # [Note: step breakdown] a blocking collective is exposed by definition
+            start = time.perf_counter()
+            work.wait()
+            timing.add_wait("blocking", time.perf_counter() - start, was_complete=False)
     return None
 
 
@@ -150,6 +157,9 @@ class WorkList:
     def __init__(self, works: list, then=None) -> None:
         self.works = works
         self._then = then
+
+    def is_completed(self) -> bool:
+        return all(work is None or work.is_completed() for work in self.works)
 
     def wait(self) -> None:
         for work in self.works:

@@ -24,6 +24,7 @@ turn it on to debug a hang.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,7 @@ from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.mesh import ShardMesh
+    from lightning_yafsdp.core.comm.step_timing import StepTiming
 
 _KIND_CODES = {"gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _TAG_NUMEL = 3
@@ -97,14 +99,19 @@ class TagExchange:
         self._work = work
         self.ranks = ranks  # global ranks of the group the tags were exchanged in
 
-    def verify(self) -> None:
+    def verify(self, timing: StepTiming | None = None) -> None:
         """Wait for the tags (every rank sends them before its collective); raise if any differ.
 
         Runs before the collective's own wait: a mismatched collective may never
         complete, but its tag exchange always does, so every rank raises here.
+        ``timing``: count the wait as ``order_tag`` time ([Note: step breakdown]).
         """
         if self._work is not None:
+            complete = timing is not None and self._work.is_completed()
+            start = time.perf_counter()
             self._work.wait()
+            if timing is not None:
+                timing.add_wait("order_tag", time.perf_counter() - start, was_complete=complete)
         guard = self._guard
         rows = [tuple(row) for row in self._every.view(len(self.ranks), _TAG_NUMEL).tolist()]
         if all(row == rows[0] for row in rows):

@@ -47,12 +47,15 @@ carries a tag exchange that is verified before the collective is waited.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from lightning_yafsdp.core.comm import step_timing
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard, TagExchange
@@ -106,18 +109,30 @@ class PendingCollective:
     def wait(self) -> None:
         if self.waited:
             return
+        kind = self._event.op.removesuffix("_issue")
+        timing = step_timing.active()
         if self._tag_exchange is not None:
             exchange, self._tag_exchange = self._tag_exchange, None
-            exchange.verify()  # raises on every rank if ranks issued different collectives
+            exchange.verify(timing)  # raises on every rank if ranks issued different collectives
         if self._done_event is not None:
             torch.cuda.current_stream(self._scheduler.device).wait_event(self._done_event)
             self._done_event = None  # record -> wait -> drop
         elif self._work is not None:
-            self._work.wait()
+            if timing is None:
+                self._work.wait()
+            else:
+                _timed_wait(timing, kind, self._work)
             self._work = None
         self.waited = True
-        kind = self._event.op.removesuffix("_issue")
         self._scheduler.note(f"{kind}_wait", self._event.unit, self._event.slot)
+
+
+def _timed_wait(timing: step_timing.StepTiming, kind: str, work) -> None:
+    """``work.wait()``, its blocked time counted as exposed ``kind`` communication."""
+    complete = work.is_completed()
+    start = time.perf_counter()
+    work.wait()
+    timing.add_wait(kind, time.perf_counter() - start, was_complete=complete)
 
 
 class PendingReduce:
@@ -226,6 +241,15 @@ class CommScheduler:
             launch: ``launch(async_op)`` issues the collective.
             after: compute event the collective must wait for (CUDA only).
         """
+        timing = step_timing.active()
+        if timing is None:
+            return self._issue(kind, unit=unit, slot=slot, tag=tag, launch=launch, after=after)
+        start = time.perf_counter()
+        pending = self._issue(kind, unit=unit, slot=slot, tag=tag, launch=launch, after=after)
+        timing.add_issue(kind, time.perf_counter() - start)
+        return pending
+
+    def _issue(self, kind: str, *, unit, slot, tag, launch: Launch, after) -> PendingCollective:
         guard = self.order_guard
         event = ScheduleEvent(f"{kind}_issue", unit, slot)
         if self.log is not None:

@@ -40,6 +40,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.optim_runs import (
     PieceSlot,
@@ -182,6 +183,7 @@ class OptimizerStepSwap:
             self._slot_of = slots
         return self._slot_of
 
+    @timed_hook
     def _swap_in(self, optimizer) -> None:
         ours, slots = self._our_param_ids(), self._slots()
         state = optimizer.state
@@ -203,6 +205,7 @@ class OptimizerStepSwap:
             group["params"] = pieces
         self._active[id(optimizer)] = (optimizer, saved)
 
+    @timed_hook
     def _swap_out(self, optimizer) -> None:
         _, saved = self._active.pop(id(optimizer))
         state, slots = optimizer.state, self._slots()

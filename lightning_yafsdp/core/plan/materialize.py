@@ -173,7 +173,8 @@ class Materializer:
         self.init_fn = init_fn
         self.seed = seed
         self._groups_done = 0
-        self._unit_module_of: dict[str, nn.Module] = {}
+        # A unit's modules: one block, or consecutive blocks ([Note: grouped blocks]).
+        self._unit_modules_of: dict[str, list[nn.Module]] = {}
         self._real_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._constructed: dict[int, torch.Tensor] = {}  # id(real tensor) -> its value
         self._module_names = {id(m): n for n, m in root.named_modules(remove_duplicate=False)}
@@ -188,20 +189,20 @@ class Materializer:
     # -- what shard_model calls -------------------------------------------------------
 
     def assign_unit_modules(self, unit_specs, unit_modules) -> None:
-        for spec, (_, unit_module) in zip(unit_specs, unit_modules, strict=True):
-            self._unit_module_of[spec.name] = unit_module
+        for spec, (_, modules) in zip(unit_specs, unit_modules, strict=True):
+            self._unit_modules_of[spec.name] = list(modules)
 
     def materialize(self, spec) -> None:
         """Give one flat group real, initialized tensors (``spec.params`` is updated)."""
-        unit_module = self._unit_module_of.get(spec.name)
+        unit_modules = self._unit_modules_of.get(spec.name, [])
         every_owner = [*spec.owners, *spec.frozen_owners]
         owner_modules = _unique([owner.module for owners in every_owner for owner in owners])
         fresh = []
-        if unit_module is not None:
+        for unit_module in unit_modules:
             fresh += self._allocate(list(unit_module.modules()))
         fresh += self._allocate(owner_modules)
-        targets = [unit_module] if unit_module is not None else []
-        targets += [m for m in owner_modules if unit_module is None or not _inside(m, unit_module)]
+        targets = list(unit_modules)
+        targets += [m for m in owner_modules if not any(_inside(m, u) for u in unit_modules)]
         self._initialize(fresh, targets)
         # Allocation replaced the Parameter objects: the group holds the new ones.
         spec.params = [owners[0].module._parameters[owners[0].attr] for owners in spec.owners]

@@ -24,6 +24,7 @@ from lightning_yafsdp.core.comm.mesh import ShardMesh, resolve_mesh
 from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from lightning_yafsdp.core.plan.group_spec import GroupSpec
+from lightning_yafsdp.core.plan.grouping import BlocksPerUnit, group_blocks
 from lightning_yafsdp.core.plan.materialize import (
     Materializer,
     ModelInitFactory,
@@ -71,6 +72,7 @@ def shard_model(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     model_init: ModelInitFactory | None = None,
     vocab_chunks: bool = True,
+    blocks_per_unit: BlocksPerUnit = "auto",
 ) -> YaFSDPEngine:
     """Shard ``module`` in place across ``process_group`` and return its engine.
 
@@ -129,6 +131,12 @@ def shard_model(
             at most a block each, so no buffer slot is vocabulary-sized ([Note: row
             chunks]); a tied embedding and head too ([Note: tied row chunks]). Which
             modules qualify: [Note: chunkable modules].
+        blocks_per_unit: consecutive blocks gathered and reduced as one unit ([Note:
+            grouped blocks], ``core/plan/grouping.py``): ``"auto"`` (default) groups
+            auto-detected blocks smaller than 4M elements so that each unit moves enough
+            bytes to pay for its collectives; an int groups that many (auto-detected or
+            given by ``units=``); 1 keeps one block per unit. Units given by ``units=``
+            stay as given under ``"auto"``.
 
     Raises:
         ValueError / RuntimeError: for input that cannot work, before any
@@ -144,11 +152,10 @@ def shard_model(
     # group over the shard group: a shard group of K ranks is sharded exactly as a flat
     # world of K ranks ([Note: hybrid sharding]).
     plan = _plan(
-        module, find_units(module, units), norm_classes, mesh.shard_size,
-        vocab_chunks=vocab_chunks, zero_stage=zero_stage,
+        module, find_units(module, units), norm_classes, mesh.shard_size, vocab_chunks=vocab_chunks,
+        zero_stage=zero_stage, blocks_per_unit=_grouping(units, blocks_per_unit),
     )  # fmt: skip
-    unit_specs, norm_spec, root_spec, _ = plan.specs
-    _refuse_hidden_aliases(module, [*unit_specs, norm_spec, root_spec])
+    _refuse_hidden_aliases(module, [*plan.specs[0], *plan.specs[1:3]])
 
     # 2. Build: the master shards, filled one group at a time (materialized first when
     # built on meta), then the engine over them and its units and resident groups.
@@ -157,8 +164,8 @@ def shard_model(
     if built_on_meta:
         _agree_on_constructor_values(module, mesh, device, stats)
         init_on = _materializer(module, plan, mesh, device, param_init_fn, model_init, stats)
-    fill = dict(rank=mesh.shard_rank, group=mesh.world_group, sync=sync_module_states)
-    fill.update(stats=stats, device=device, dtype=master_dtype, init=init_on)
+    fill = dict(rank=mesh.shard_rank, group=mesh.world_group, sync=sync_module_states,
+                stats=stats, device=device, dtype=master_dtype, init=init_on)  # fmt: skip
     engine = YaFSDPEngine(
         module,
         mesh=mesh,
@@ -235,7 +242,7 @@ def _materializer(module, plan, mesh, device, param_init_fn, model_init, stats) 
         module, device=device, init_fn=param_init_fn, seed=seed, model_init=model_init
     )
     blocks = [spec for spec in plan.specs[0] if spec.is_block]
-    init_on.assign_unit_modules(blocks, [(spec.name, spec.modules[0]) for spec in blocks])
+    init_on.assign_unit_modules(blocks, [(spec.name, spec.modules) for spec in blocks])
     return init_on
 
 
@@ -391,25 +398,35 @@ def plan_layouts(
     norm_classes: NormSpec = None,
     vocab_chunks: bool = False,
     zero_stage: int = 3,
+    blocks_per_unit: BlocksPerUnit = "auto",
 ) -> ShardingPlan:
     """The layouts ``shard_model`` would build for ``module`` at ``world_size``.
 
     Needs no process group and works on meta-device models: memory estimates
     (``yafsdp estimate``) use it so that they match the engine exactly.
-    ``vocab_chunks`` and ``zero_stage``: as given to ``shard_model``; ``world_size``:
-    the shard group's size.
+    ``vocab_chunks``, ``zero_stage`` and ``blocks_per_unit``: as given to
+    ``shard_model``; ``world_size``: the shard group's size.
     """
     unit_modules = find_units(module, units)
     return _plan(
         module, unit_modules, norm_classes, world_size,
         vocab_chunks=vocab_chunks, zero_stage=zero_stage,
+        blocks_per_unit=_grouping(units, blocks_per_unit),
     )  # fmt: skip
 
 
+def _grouping(units: UnitsSpec, blocks_per_unit: BlocksPerUnit) -> BlocksPerUnit:
+    """[Note: grouped blocks] ``"auto"`` groups auto-detected blocks only: units the user
+    named stay as named unless a number of blocks per unit is given."""
+    return 1 if units is not None and blocks_per_unit == "auto" else blocks_per_unit
+
+
 def _plan(
-    module, unit_modules, norm_classes, world_size, *, vocab_chunks: bool, zero_stage: int
-) -> ShardingPlan:
-    block_specs, norm_spec, root_spec, frozen = _assign_params(module, unit_modules, norm_classes)
+    module, unit_modules, norm_classes, world_size, *, vocab_chunks: bool, zero_stage: int,
+    blocks_per_unit: BlocksPerUnit,
+) -> ShardingPlan:  # fmt: skip
+    groups = group_blocks(unit_modules, blocks_per_unit)
+    block_specs, norm_spec, root_spec, frozen = _assign_params(module, groups, norm_classes)
     if not any(spec.params for spec in (*block_specs, norm_spec, root_spec)):
         raise ValueError(f"{type(module).__name__} has no trainable parameters to shard")
     empty = [spec.name for spec in block_specs if not spec.numel()]
@@ -572,19 +589,25 @@ def _refuse_hidden_aliases(root: nn.Module, specs: list[GroupSpec]) -> None:
 # -- which parameter joins which group ----------------------------------------------
 
 
-def _units_of_modules(unit_modules) -> dict[int, int]:
-    """Map ``id(submodule)`` to the index of the one unit it belongs to.
+def _units_of_modules(unit_groups) -> dict[int, int]:
+    """Map ``id(submodule)`` to the index of the one unit it belongs to (``unit_groups``:
+    ``(name, modules)``, several modules for grouped blocks).
 
     A submodule object reachable from two units (``blocks[2].fc1 = blocks[0].fc1``)
     would have its parameters in one unit's buffer while the other unit's forward uses
     them too: refused here, naming both units, instead of failing mid-forward.
     """
     unit_of_module: dict[int, int] = {}
-    for index, (unit_name, unit_module) in enumerate(unit_modules):
+    members = [
+        (index, unit_name, module)
+        for index, (unit_name, modules) in enumerate(unit_groups)
+        for module in modules
+    ]
+    for index, unit_name, unit_module in members:
         for sub_name, sub in unit_module.named_modules(remove_duplicate=False):
             earlier = unit_of_module.setdefault(id(sub), index)
             if earlier != index and any(True for _ in sub.parameters()):
-                first = unit_modules[earlier][0]
+                first = unit_groups[earlier][0]
                 where = f"{unit_name}.{sub_name}" if sub_name else unit_name
                 raise ValueError(
                     f"module '{where}' is the same object as a module of unit '{first}': "
@@ -596,8 +619,8 @@ def _units_of_modules(unit_modules) -> dict[int, int]:
     return unit_of_module
 
 
-def _assign_params(root, unit_modules, norm_classes):
-    unit_of_module = _units_of_modules(unit_modules)
+def _assign_params(root, unit_groups, norm_classes):
+    unit_of_module = _units_of_modules(unit_groups)
     owners_of: dict[int, list[ParamOwner]] = defaultdict(list)
     params: dict[int, nn.Parameter] = {}
     for module_name, sub in root.named_modules(remove_duplicate=False):
@@ -608,7 +631,7 @@ def _assign_params(root, unit_modules, norm_classes):
             owners_of[id(param)].append(ParamOwner(sub, attr, name))
             params[id(param)] = param
 
-    unit_specs = [GroupSpec(name, modules=[m]) for name, m in unit_modules]
+    unit_specs = [GroupSpec(name, modules=list(modules)) for name, modules in unit_groups]
     norm_spec, root_spec = GroupSpec(NORM_GROUP), GroupSpec(ROOT_GROUP)
     frozen: list[tuple[nn.Parameter, list[ParamOwner]]] = []
     for key, owners in owners_of.items():

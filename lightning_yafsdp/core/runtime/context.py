@@ -40,6 +40,7 @@ from lightning_yafsdp.core.comm.collectives import (
     replicate_all_reduce,
 )
 from lightning_yafsdp.core.comm.mesh import ShardMesh
+from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.comm.streams import CommScheduler, PendingReduce
 from lightning_yafsdp.core.optim.grads import ShardGrads
 
@@ -190,6 +191,7 @@ class StepContext:
 
     # -- the step ----------------------------------------------------------------------
 
+    @timed_hook
     def begin_forward(self) -> None:
         """Before any sharded module runs (every unit's and resident's first hook)."""
         self._callbacks.forward_start()
@@ -210,6 +212,7 @@ class StepContext:
         self._callbacks.backward_start()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
+    @timed_hook
     def _end_backward(self) -> None:
         self._callbacks.backward_end()
         self.phase = StepPhase.OUTSIDE_BACKWARD

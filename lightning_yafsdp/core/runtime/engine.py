@@ -20,6 +20,7 @@ from lightning_yafsdp.core.comm.buffers import GatherStaging
 from lightning_yafsdp.core.comm.collectives import all_reduce_
 from lightning_yafsdp.core.comm.mesh import ShardMesh
 from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
+from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.comm.streams import ScheduleEvent
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.optim_step import OptimizerStepSwap
@@ -229,6 +230,7 @@ class YaFSDPEngine:
         self.context.divide_factor = float(factor)
 
     @torch.no_grad()
+    @timed_hook
     def clip_grad_norm_(
         self,
         max_norm: float,
@@ -272,6 +274,7 @@ class YaFSDPEngine:
         return total
 
     @torch.no_grad()
+    @timed_hook
     def clip_grad_value_(self, clip_value: float, *, params: Iterator | None = None) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]`` (local, exact)."""
         for grads in _grads_of(self, params):
@@ -356,6 +359,7 @@ class YaFSDPEngine:
 
     def grads_by_master(self) -> list[tuple[ShardGrads, list[FlatParamGroup]]]:
         """Each master's gradient accumulator with the groups stored in that master."""
+
         def grads_of(group: FlatParamGroup) -> ShardGrads:
             return group.grads if isinstance(group, ResidentGroup) else self.unit_grads
 
@@ -503,7 +507,6 @@ class YaFSDPEngine:
             handle.remove()
         for group in dict.fromkeys([*self.units, *self._groups]):
             group.remove_hooks()
-
 
 
 def _grads_of(engine: YaFSDPEngine, params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.comm.buffers import GradBuffer
+from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor, ShardPlacement
 from lightning_yafsdp.core.runtime.autograd import Narrow
 from lightning_yafsdp.core.runtime.layout import FlatLayout
@@ -278,6 +279,7 @@ class FlatParamGroup:
         self._grad_target = grad_buffer.tensor
         self._written = [False] * len(self.owners)
 
+    @timed_hook
     def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
         """Write (first time) or add the grad of parameter ``index`` into the grad buffer."""
         span = self.layout.spans[index]

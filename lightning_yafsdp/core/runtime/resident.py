@@ -22,6 +22,7 @@ import torch
 
 from lightning_yafsdp.core.comm.buffers import GradBuffer, WeightBuffer
 from lightning_yafsdp.core.comm.collectives import all_gather_into
+from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.runtime.context import StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup
@@ -57,6 +58,7 @@ class ResidentGroup(FlatParamGroup):
         self._views_differentiable = False
         self._views_in_graph = False  # differentiable views handed out since the last backward
 
+    @timed_hook
     def ensure_views(self) -> None:
         """Gather if the weights changed, and expose views fit for the current grad mode."""
         ctx = self.context
@@ -93,6 +95,7 @@ class ResidentGroup(FlatParamGroup):
         self._views_differentiable = differentiable
         self._views_in_graph |= differentiable
 
+    @timed_hook
     def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
         if not self.has_grad_target:
             self.context.enter_backward()

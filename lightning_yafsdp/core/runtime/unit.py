@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_yafsdp.core.comm.collectives import WorkList, all_gather_into
+from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.runtime.autograd import GateGradFlow, PreBackwardGate
 from lightning_yafsdp.core.runtime.context import StepContext
@@ -91,7 +92,7 @@ class ShardedUnit(FlatParamGroup):
                 ),
                 module.register_forward_hook(outside_compile(self._post_forward), always_call=True),
             ]
-        self._original_forward = None
+        self._original_forwards: list[tuple[nn.Module, Any]] = []  # under checkpointing
 
     @property
     def state(self) -> UnitState:
@@ -195,6 +196,7 @@ class ShardedUnit(FlatParamGroup):
 
     # -- forward ---------------------------------------------------------------
 
+    @timed_hook
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         if all(module is not own for own in self.modules):
             raise RuntimeError(
@@ -237,6 +239,7 @@ class ShardedUnit(FlatParamGroup):
         self.install_views(gated_buffer, differentiable=True)
         return _substitute((args, kwargs), inputs, gated, where=where, objects=False)
 
+    @timed_hook
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         state = self.life.state
         if state not in (UnitState.FORWARD, UnitState.NO_GRAD_FORWARD):
@@ -275,6 +278,7 @@ class ShardedUnit(FlatParamGroup):
 
     # -- backward --------------------------------------------------------------
 
+    @timed_hook
     def pre_backward(self) -> None:
         """Claim the grad buffer and the gathered weights for this unit's backward."""
         state = self.life.state
@@ -322,11 +326,13 @@ class ShardedUnit(FlatParamGroup):
         grad_buffer.holder = self
         self.begin_grad_writes(grad_buffer)
 
+    @timed_hook
     def accumulate_param_grad(self, index: int, grad: torch.Tensor) -> None:
         if self.life.state is not UnitState.BACKWARD:
             self.pre_backward()  # a grad that bypassed the unit's outputs
         super().accumulate_param_grad(index, grad)
 
+    @timed_hook
     def post_backward(self) -> None:
         """One call's grads are all in the grad buffer; after the last call, reduce them."""
         if self.life.state is not UnitState.BACKWARD:
@@ -382,16 +388,13 @@ class ShardedUnit(FlatParamGroup):
         inside this unit's backward, with the weights already re-gathered into
         the buffer the forward's views read (see [Note: views outlive forward]).
         """
-        if self._original_forward is not None:
+        if self._original_forwards:
             return
-        self._original_forward = inner = self.module.forward
-
-        def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return inner(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
-
-        self.module.forward = checkpointed_forward
+        # Every module of the unit: grouped blocks are checkpointed block by block
+        # ([Note: grouped blocks]), as without grouping.
+        for module in self.modules:
+            self._original_forwards.append((module, module.forward))
+            module.forward = _checkpointed(module.forward)
 
     def end_iteration(self) -> None:
         if self.life.state is not UnitState.IDLE or not self.is_block:
@@ -417,9 +420,20 @@ class ShardedUnit(FlatParamGroup):
     def remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
-        if self._original_forward is not None:
-            self.module.forward = self._original_forward
-            self._original_forward = None
+        for module, forward in self._original_forwards:
+            module.forward = forward
+        self._original_forwards = []
+
+
+def _checkpointed(inner):
+    """``inner`` run under non-reentrant activation checkpointing when grads are on."""
+
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    return checkpointed_forward
 
 
 def _substitute(value: Any, originals: list, replacements, *, where: str, objects: bool) -> Any:

@@ -1,0 +1,149 @@
+"""Where each millisecond of a step goes, for ``compare.py --breakdown``.
+
+Two views, both per measured step (medians over steps for the phases, means for the
+engine's sums):
+
+* phases, for every strategy the same way (Lightning callbacks on every rank, the
+  slower rank's step): forward (``on_train_batch_start`` -> ``on_before_backward``),
+  backward (-> ``on_after_backward``) and optimizer (-> ``on_train_batch_end``: clipping,
+  the step, zero_grad). Each phase minus the floor's says where a strategy's overhead is:
+  DDP's all_reduce shows in backward, ZeRO-3's gathers in forward and backward.
+* yafsdp's own time ([Note: step breakdown], ``core/comm/step_timing.py``): time in the
+  engine's hooks, split into our Python, issuing collectives, and exposed waits per kind
+  (the communication the schedule did not hide), plus how many waits found their
+  collective already complete (hidden behind compute).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+PHASES = ("forward", "backward", "optimizer")
+# CPU seconds of the whole rank process (every thread: gloo's workers too) per step: the
+# work a step costs, which other load on the machine does not inflate as it does wall time.
+CPU = "cpu"
+
+
+class PhaseClock:
+    """Per-step phase times of one rank (seconds), fed by a Lightning callback."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+        self._marks: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        self._marks[name] = time.perf_counter()
+        if name == "start":
+            self._cpu_start = time.process_time()
+
+    def close_step(self, measured: bool) -> None:
+        t = self._marks
+        if measured and {"start", "before_backward", "after_backward"} <= t.keys():
+            end = time.perf_counter()
+            self.steps.append(
+                {
+                    "forward": t["before_backward"] - t["start"],
+                    "backward": t["after_backward"] - t["before_backward"],
+                    "optimizer": end - t["after_backward"],
+                    CPU: time.process_time() - self._cpu_start,
+                }
+            )
+        self._marks = {}
+
+
+def start_engine_timing(engine) -> Any:
+    """Measure the engine's hooks from now on; returns the ``StepTiming`` (None if no engine)."""
+    if engine is None:
+        return None
+    from lightning_yafsdp.core.comm.step_timing import StepTiming, activate
+
+    timing = StepTiming()
+    activate(timing)
+    return timing
+
+
+def stop_engine_timing(timing, steps: int) -> dict | None:
+    """The engine's sums divided per step; measuring stops."""
+    if timing is None:
+        return None
+    from lightning_yafsdp.core.comm.step_timing import activate
+
+    activate(None)
+    snap = timing.snapshot()
+    per_step = {k: snap[k] / steps for k in ("hook_s", "python_s")}
+    for key in ("issue_s", "wait_s"):
+        per_step[key] = {kind: s / steps for kind, s in snap[key].items()}
+    per_step["waited"] = {kind: n / steps for kind, n in snap["waited"].items()}
+    per_step["hidden"] = {kind: n / steps for kind, n in snap["hidden"].items()}
+    return per_step
+
+
+def phase_medians(jobs: list[list[dict]]) -> dict[str, float] | None:
+    """Median over steps of each phase, of the slower rank per step (s)."""
+    per_step: dict[str, list[float]] = {p: [] for p in (*PHASES, CPU)}
+    for job in jobs:
+        ranks = [r.get("phases") or [] for r in job]
+        for steps in zip(*ranks):
+            slower = max(steps, key=lambda s: sum(s[p] for p in PHASES))
+            for p in PHASES:
+                per_step[p].append(slower[p])
+            per_step[CPU].append(max(s[CPU] for s in steps))
+    if not per_step["forward"]:
+        return None
+    return {p: statistics.median(v) for p, v in per_step.items()}
+
+
+def engine_means(jobs: list[list[dict]]) -> dict | None:
+    """Rank 0's engine timing, averaged over jobs."""
+    found = [job[0]["engine_timing"] for job in jobs if job[0].get("engine_timing")]
+    if not found:
+        return None
+    out: dict[str, Any] = {k: statistics.mean(f[k] for f in found) for k in ("hook_s", "python_s")}
+    for key in ("issue_s", "wait_s", "waited", "hidden"):
+        kinds = sorted({kind for f in found for kind in f[key]})
+        out[key] = {kind: statistics.mean(f[key].get(kind, 0.0) for f in found) for kind in kinds}
+    return out
+
+
+def render(summaries: dict[str, dict], floor: str, markdown_table) -> str | None:
+    """The phase table (ms, with each phase's excess over the floor) and yafsdp's own
+    time; None when no job recorded phases."""
+    rows, base = [], summaries.get(floor, {}).get("phases")
+    for name, s in summaries.items():
+        phases = s.get("phases")
+        if not phases:
+            continue
+        row = [name]
+        for p in (*PHASES, CPU):
+            cell = f"{1e3 * phases[p]:.1f}"
+            if base and name != floor:
+                cell += f" ({1e3 * (phases[p] - base[p]):+.1f})"
+            row.append(cell)
+        rows.append(row)
+    if not rows:
+        return None
+    header = ["strategy", *(f"{p} ms (vs floor)" for p in PHASES), "CPU ms/rank (vs floor)"]
+    lines = [markdown_table(header, rows, "lrrrr")]
+    for name, s in summaries.items():
+        if s.get("engine_timing"):
+            lines.append(_engine_lines(name, s["engine_timing"]))
+    return "\n".join(lines)
+
+
+def _engine_lines(name: str, t: dict) -> str:
+    kinds = sorted(set(t["issue_s"]) | set(t["wait_s"]))
+    parts = [
+        f"{name}: in the engine's hooks {1e3 * t['hook_s']:.1f} ms/step = "
+        f"Python {1e3 * t['python_s']:.1f} + issuing {1e3 * sum(t['issue_s'].values()):.1f} "
+        f"+ exposed waits {1e3 * sum(t['wait_s'].values()):.1f}"
+    ]
+    for kind in kinds:
+        waited, hidden = t["waited"].get(kind, 0), t["hidden"].get(kind, 0)
+        parts.append(
+            f"  {kind:14s} issue {1e3 * t['issue_s'].get(kind, 0):6.1f} ms  exposed wait "
+            f"{1e3 * t['wait_s'].get(kind, 0):6.1f} ms  waits/step {waited:5.1f}, "
+            f"already complete {hidden:5.1f}"
+        )
+    return "\n".join(parts)
