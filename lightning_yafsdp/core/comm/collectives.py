@@ -201,12 +201,29 @@ def reduce_scatter_into(
     async_op: bool,
     stats: CommStats,
 ) -> dist.Work | None:
-    """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``."""
+    """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``.
+
+    [Note: gloo reduces with all_reduce] gloo's reduce_scatter is much slower than its
+    all_reduce of the same tensor (measured 2 ranks, 0.7M-6M fp32 elements: 1.5-1.8x the
+    CPU time and several times the wall time), so on CPU the grad buffer (``full``, ours
+    to overwrite: nothing reads it before the next backward writes it) is all-reduced in
+    place and this rank's part is copied out when the collective is waited. NCCL keeps the
+    reduce_scatter, which moves half the bytes of an all_reduce.
+    """
     stats.add("reduce_scatter", full.numel() * full.element_size())
-    return _issue(
-        _reduce_scatter_single, full, output.data, full, op=ReduceOp.SUM, group=group,
-        async_op=async_op,
-    )  # fmt: skip
+    if full.device.type != "cpu":
+        return _issue(
+            _reduce_scatter_single, full, output.data, full, op=ReduceOp.SUM, group=group,
+            async_op=async_op,
+        )  # fmt: skip
+    rank, numel = dist.get_rank(group), output.numel()
+    mine = full.detach().narrow(0, rank * numel, numel)
+    work = _issue(dist.all_reduce, full, full.detach(), op=ReduceOp.SUM, group=group, async_op=True)
+    copy_out = WorkList([work], then=lambda: output.data.copy_(mine))
+    if async_op:
+        return copy_out
+    copy_out.wait()
+    return None
 
 
 def replicate_all_reduce(
