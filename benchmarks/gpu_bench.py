@@ -13,6 +13,11 @@ shards the model: the per-block compile docs/user-guide.md recommends.
 
 ``--device cpu`` (gloo, no memory statistics) runs the same code on a CPU, for
 ``gpu_check.sh --dry-run``: ``--model tiny --batch 1 --seq 32 --steps 1 --warmup 0``.
+
+Each strategy's step is split as ``compare.py --breakdown`` splits it (docs/performance.md):
+forward, backward and optimizer time (CUDA events, medians), beside ``floor``, the same
+model unsharded on the device (no process group, no hooks), and for yafsdp the engine's
+host time in its hooks (Python, issuing collectives; [Note: step breakdown]).
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ def _build(strategy: str, model_name: str, device: str, compile_blocks: bool):
     if compile_blocks:  # before sharding, as the user guide recommends
         for block in model.layers:
             block.compile()
+    if strategy == "floor":  # the compute floor: bf16 weights, fp32 AdamW states
+        model.to_empty(device=device)
+        model.init_weights()
+        model.to(torch.bfloat16)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     if strategy == "yafsdp":
         from lightning_yafsdp.core import shard_model
 
@@ -73,30 +83,108 @@ def _run(strategy: str, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     model, optimizer = _build(strategy, args.model, args.device, args.compile)
     vocab = model.config.vocab_size
-    times = []
+    times, phases, timing = [], [], None
     for step in range(args.warmup + args.steps):
+        if step == args.warmup and strategy == "yafsdp":
+            timing = _start_engine_timing()
         tokens = torch.randint(0, vocab, (args.batch, args.seq), device=args.device)
         _synchronize(args.device)
+        clock = _PhaseClock(args.device)
         start = time.perf_counter()
         logits = model(tokens)
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+        clock.mark()
         loss.backward()
+        clock.mark()
         optimizer.step()
         optimizer.zero_grad()
+        clock.mark()
         _synchronize(args.device)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+            phases.append(clock.phases())
     result = {
         "strategy": strategy,
         "median_step_s": statistics.median(times),
         "tokens_per_s": args.batch * args.seq / statistics.median(times),
         **_peak_memory(args.device),
         "final_loss": loss.item(),
+        "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+        "engine": _stop_engine_timing(timing, args.steps),
     }
     del model, optimizer, logits, loss
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+class _PhaseClock:
+    """Forward / backward / optimizer time of one step: CUDA events on the GPU (no sync
+    between phases, so the overlap is measured as it runs), the host clock on a CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.marks = [self._now()]
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def mark(self) -> None:
+        self.marks.append(self._now())
+
+    def phases(self) -> dict[str, float]:
+        if self.cuda:
+            spans = [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            spans = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        return dict(zip(("forward", "backward", "optimizer"), spans))
+
+
+def _start_engine_timing():
+    from lightning_yafsdp.core.comm.step_timing import StepTiming, activate
+
+    timing = StepTiming()
+    activate(timing)
+    return timing
+
+
+def _stop_engine_timing(timing, steps: int) -> dict | None:
+    if timing is None:
+        return None
+    from lightning_yafsdp.core.comm.step_timing import activate
+
+    activate(None)
+    snap = timing.snapshot()
+    return {
+        "hook_ms": 1e3 * snap["hook_s"] / steps,
+        "python_ms": 1e3 * snap["python_s"] / steps,
+        "issue_ms": {k: 1e3 * v / steps for k, v in snap["issue_s"].items()},
+    }
+
+
+def _breakdown_lines(rows: dict) -> list[str]:
+    floor = rows.get("floor")
+    lines = ["", "| strategy | forward ms | backward ms | optimizer ms | step over floor |",
+             "|---|---:|---:|---:|---:|"]  # fmt: skip
+    for name, r in rows.items():
+        p = r["phases_s"]
+        over = f"{r['median_step_s'] / floor['median_step_s']:.2f}x" if floor else "-"
+        lines.append(
+            f"| {name} | {1e3 * p['forward']:.1f} | {1e3 * p['backward']:.1f} "
+            f"| {1e3 * p['optimizer']:.1f} | {over} |"
+        )
+    engine = rows["yafsdp"].get("engine")
+    if engine:
+        issue = ", ".join(f"{k} {v:.2f}" for k, v in sorted(engine["issue_ms"].items()))
+        lines.append(
+            f"yafsdp host time in its hooks: {engine['hook_ms']:.1f} ms/step (Python "
+            f"{engine['python_ms']:.1f}; issuing ms: {issue})"
+        )
+    return lines
 
 
 def _device_name(device: str) -> str:
@@ -119,7 +207,8 @@ def main() -> None:
     if args.device == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
-    results = [_run(s, args) for s in ("yafsdp", "fsdp2", "yafsdp", "fsdp2")]  # interleaved
+    order = ("floor", "yafsdp", "fsdp2", "floor", "yafsdp", "fsdp2")  # interleaved
+    results = [_run(s, args) for s in order]
     rows = {}
     for r in results:
         best = rows.get(r["strategy"])
@@ -146,6 +235,7 @@ def main() -> None:
     if args.device == "cuda":
         ratio += f", peak allocated {ours['peak_allocated_gib'] / peer['peak_allocated_gib']:.2f}x"
     lines.append(ratio)
+    lines += _breakdown_lines(rows)
     table = "\n".join(lines)
     print(table)
     if args.out:
