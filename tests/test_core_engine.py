@@ -75,6 +75,26 @@ def test_a_replicate_all_reduce_runs_during_a_later_units_backward() -> None:
         assert issued < at("backward_start", earlier) < at("backward_end", earlier) < waited
 
 
+@pytest.mark.parametrize("blocks_per_unit", [1, 2])
+def test_a_units_reduce_is_in_flight_during_the_previous_units_backward(blocks_per_unit) -> None:
+    """Unit i's reduction is issued when its backward ends and waited only after unit i-1's
+    backward (by unit i-2, the next user of its grad buffer: condition 3)."""
+    recorded = probe("record_schedule", blocks_per_unit=blocks_per_unit)
+    log, names = recorded["log"], recorded["unit_names"]
+
+    def at(op: str, unit: str) -> int:
+        return max(i for i, e in enumerate(log) if e.op == op and e.unit == unit)
+
+    checked = 0
+    for earlier, later in zip(names, names[1:], strict=False):
+        if not any(e.op == "backward_start" and e.unit == earlier for e in log):
+            continue  # a weightless embedding: no backward_start of its own
+        issued, waited = at("reduce_scatter_issue", later), at("reduce_scatter_wait", later)
+        assert issued < at("backward_start", earlier) < at("backward_end", earlier) < waited
+        checked += 1
+    assert checked >= 2
+
+
 def test_next_units_gather_is_in_flight_while_the_current_unit_computes() -> None:
     recorded = probe("record_schedule")
     log, names = recorded["log"], recorded["unit_names"]

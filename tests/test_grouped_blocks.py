@@ -196,3 +196,40 @@ def test_checkpointing_a_unit_of_grouped_blocks_recomputes_every_block():
     assert calls == [2, 2, 2, 2]  # forward, then recomputation in backward
     (calls,) = dist_run(1, _attention_calls_per_block, None, timeout_s=120)
     assert calls == [1, 1, 1, 1]
+
+
+def _hf_llama_checkpointed() -> nn.Module:
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    config = HFConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable()  # HF's own (non-reentrant) checkpointing
+    return model
+
+
+def _hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return model(input_ids=batch["tokens"], labels=batch["tokens"]).loss
+
+
+def _hf_parity(world_size: int) -> dict:
+    rows = _rows(8 * world_size)
+    runs = {}
+    for strategy in ("yafsdp", "ddp"):
+        runs[strategy] = fit(
+            strategy, _hf_llama_checkpointed, _hf_loss, rows, world_size=world_size, steps=3
+        )
+    return runs
+
+
+def test_a_hugging_face_model_with_its_own_checkpointing_trains_like_ddp_when_grouped():
+    pytest.importorskip("transformers")
+    runs = dist_run(2, _hf_parity, 2, timeout_s=300)
+    for rank, run in enumerate(runs):
+        assert loss_error(run["yafsdp"], run["ddp"]) <= _PARITY_RTOL, rank
+        weights, where = weights_error(run["yafsdp"], run["ddp"])
+        assert weights <= _PARITY_RTOL, f"rank {rank}: {where} off by {weights:.3g}"
+    assert "model.model.layers.0-1" in runs[0]["yafsdp"]["units"], runs[0]["yafsdp"]["units"]

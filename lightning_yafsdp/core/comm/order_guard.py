@@ -71,11 +71,13 @@ class CollectiveOrderGuard:
         # Counted apart from the engine's traffic, which tests compare with the design.
         self.stats = CommStats()
 
-    def start(self, kind: str, *, unit: str, tag: tuple[int, int]) -> TagExchange:
+    def start(self, kind: str, *, unit: str, tag: tuple[int, int]) -> TagExchange | None:
         """Issue the tag exchange of the collective about to be issued (async, tiny)."""
         group = self.mesh.replicate_group if kind == "all_reduce" else self.mesh.shard_group
         ranks = self._ranks[id(group)]
         size = len(ranks)
+        if size == 1:
+            return None  # [Note: one rank copies] no other rank to disagree with
         mine = torch.tensor((_KIND_CODES[kind], *tag), dtype=torch.int64, device=self.device)
         every = torch.empty(size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
         work = all_gather_into(every, mine, group, async_op=True, stats=self.stats)
