@@ -36,8 +36,8 @@ def world_info(group=None) -> tuple[int, int]:
 def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = True) -> Any:
     """``tree`` with every sharded leaf replaced by its full tensor (see the note above).
 
-    Collective over ``group``: every rank calls it with a tree of the same structure.
-    With ``rank0_only`` (default) the other ranks get ``None`` leaves.
+    Collective over ``group``. With ``rank0_only`` (default) other ranks get ``None``
+    leaves; with ``cpu`` every tensor of the kept result is on the CPU.
 
     Raises:
         CheckpointMismatchError: on every rank, if the ranks' trees differ or a leaf's
@@ -57,11 +57,15 @@ def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = T
             pieces = [(theirs[position][3], theirs[position][4]) for theirs in everyone]
             _check_tiling(path, value.shape, pieces)
             full = _gather_one(value, pieces, group=group, world=world)
-            by_identity[identity] = (full.cpu() if cpu else full) if keep else None
+            by_identity[identity] = full if keep else None
         results[path] = by_identity[identity]
-    return map_leaves(
-        tree, lambda path, v: results[path] if isinstance(v, RangeShardedTensor) else v
-    )
+
+    def full_leaf(path, value):
+        if isinstance(value, RangeShardedTensor):
+            value = results[path]
+        return value.detach().cpu() if cpu and keep and isinstance(value, torch.Tensor) else value
+
+    return map_leaves(tree, full_leaf)
 
 
 def _range(value: RangeShardedTensor) -> tuple[int, int]:
@@ -88,16 +92,16 @@ def _gather_one(value: RangeShardedTensor, pieces: list, *, group, world: int) -
 
 
 def _check_same_tree(everyone: list[list[tuple]]) -> None:
-    reference = {p: (s, d) for p, s, d, *_ in everyone[0]}
+    reference = [(p, s, d) for p, s, d, *_ in everyone[0]]
     for rank, theirs in enumerate(everyone):
-        if [(p, s, d) for p, s, d, *_ in theirs] == [(p, s, d) for p, s, d, *_ in everyone[0]]:
+        if [(p, s, d) for p, s, d, *_ in theirs] == reference:
             continue
-        other = {p: (s, d) for p, s, d, *_ in theirs}
-        only_0 = ", ".join(describe_path(p) for p in reference if p not in other) or "none"
-        only_r = ", ".join(describe_path(p) for p in other if p not in reference) or "none"
+        only_0 = {p for p, *_ in reference} - {p for p, *_ in theirs}
+        only_r = {p for p, *_ in theirs} - {p for p, *_ in reference}
         raise CheckpointMismatchError(
             f"the checkpoint dict holds different sharded tensors on rank 0 and rank {rank} "
-            f"(only on rank 0: {only_0}; only on rank {rank}: {only_r}; or other shapes, "
+            f"(only on rank 0: {', '.join(map(describe_path, only_0)) or 'none'}; only on "
+            f"rank {rank}: {', '.join(map(describe_path, only_r)) or 'none'}; or other shapes, "
             "dtypes or order); every rank must build the same checkpoint (e.g. an "
             "on_save_checkpoint or state_dict() override must not depend on the rank)"
         )
