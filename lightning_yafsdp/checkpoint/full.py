@@ -27,8 +27,7 @@ from lightning_yafsdp.checkpoint.errors import NotACheckpointError
 from lightning_yafsdp.checkpoint.optimizer_state import (
     ParamNames,
     check_optimizer_count,
-    load_optimizer_state,
-    local_optimizer_state,
+    optimizer_state_to_load,
     sharded_optimizer_state_dict,
     to_torch_layout,
 )
@@ -122,12 +121,12 @@ def load_full(
     # Check and map every optimizer state first: a mismatch then leaves the model untouched.
     names = ParamNames(engine)
     prepared = [
-        local_optimizer_state(names, optimizer, state)
+        optimizer_state_to_load(names, optimizer, state)
         for optimizer, state in zip(optimizers, optimizer_states, strict=False)
     ]
     load_full_model_state_dict(engine, model_state, strict=strict)
-    for optimizer, (groups, states) in zip(optimizers, prepared, strict=False):
-        load_optimizer_state(names, optimizer, groups, states)
+    for optimizer, state in zip(optimizers, prepared, strict=False):
+        optimizer.load_state_dict(state)
     return rest
 
 

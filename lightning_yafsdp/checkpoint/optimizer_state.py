@@ -116,46 +116,34 @@ def full_optimizer_state_dict(
     return to_torch_layout(full) if engine.rank == 0 else {}
 
 
-def local_optimizer_state(
+def optimizer_state_to_load(
     names: ParamNames, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
-) -> tuple[list[dict], dict[str, dict[str, Any]]]:
-    """Checked hyperparameters per current group and this rank's per-parameter state.
+) -> dict[str, Any]:
+    """``saved`` as ``optimizer.load_state_dict`` takes it: this rank's pieces, the saved
+    hyperparameters of each current group.
 
     ``saved``: name-keyed or torch's index-keyed layout, full or already this rank's
-    pieces (``RangeShardedTensor``s). Raises ``CheckpointMismatchError`` and modifies
-    nothing when it does not fit.
+    pieces (``RangeShardedTensor``s). Everything is checked first: a mismatch raises
+    ``CheckpointMismatchError`` before anything is modified.
     """
     current = names.groups(optimizer)
     if _is_index_keyed(saved):
-        saved = _named_by_position(saved, current, names)
-    groups = _restored_groups(current, saved["param_groups"])
+        saved = _named_by_position(saved, current)
+    hyperparameters = _restored_groups(current, saved["param_groups"])
     saved_state = saved.get("state", {})  # absent from a DCP entry of a never-stepped one
     check_state_names(names, saved_state, what="the checkpoint's optimizer state")
-    states = {
-        name: {key: _local_value(names, name, key, value) for key, value in entry.items()}
+    position = {name: i for i, name in enumerate(n for g in current for n in g["params"])}
+    state = {
+        position[name]: {key: _local_value(names, name, key, v) for key, v in entry.items()}
         for name, entry in saved_state.items()
     }
-    return groups, states
-
-
-def load_optimizer_state(
-    names: ParamNames,
-    optimizer: torch.optim.Optimizer,
-    groups: list[dict],
-    states: Mapping[str, dict[str, Any]],
-) -> None:
-    """Hand per-parameter state and hyperparameters (``local_optimizer_state``) to
-    ``optimizer.load_state_dict``."""
-    order = [names.name_of(p) for group in optimizer.param_groups for p in group["params"]]
-    position = {name: i for i, name in enumerate(order)}
-    loaded, cursor = [], 0
-    for current, hyper in zip(optimizer.param_groups, groups, strict=True):
-        size = len(current["params"])
-        kept = {k: current[k] for k in ("param_names",) if k in current}
-        loaded.append({**hyper, **kept, "params": list(range(cursor, cursor + size))})
+    groups, cursor = [], 0
+    for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
+        kept = {k: group[k] for k in ("param_names",) if k in group}
+        size = len(group["params"])
+        groups.append({**hyper, **kept, "params": list(range(cursor, cursor + size))})
         cursor += size
-    state = {position[name]: entry for name, entry in states.items()}
-    optimizer.load_state_dict({"state": state, "param_groups": loaded})
+    return {"state": state, "param_groups": groups}
 
 
 def check_optimizer_count(path: Any, *, saved: int, given: int) -> None:
@@ -270,7 +258,7 @@ def _is_index_keyed(state: Mapping[str, Any]) -> bool:
     return bool(params) and all(not isinstance(p, str) for p in params)
 
 
-def _named_by_position(saved: Mapping[str, Any], current: list[dict], names: ParamNames) -> dict:
+def _named_by_position(saved: Mapping[str, Any], current: list[dict]) -> dict:
     """torch's index-keyed layout mapped onto the current optimizer's names (see the note)."""
     saved_groups = saved["param_groups"]
     if len(saved_groups) != len(current):

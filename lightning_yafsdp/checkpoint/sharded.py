@@ -45,8 +45,7 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     ParamNames,
     check_optimizer_count,
     check_state_names,
-    load_optimizer_state,
-    local_optimizer_state,
+    optimizer_state_to_load,
     sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.checkpoint.state import check_targets, module_state
@@ -237,8 +236,8 @@ def load_sharded(
     dcp.load(targets, storage_reader=FileSystemReader(path), process_group=engine.group)
     engine.mark_weights_changed()
     for i, optimizer in enumerate(optimizers):
-        groups, states = local_optimizer_state(names, optimizer, targets[optimizer_key(i)])
-        load_optimizer_state(names, optimizer, groups, states)
+        saved = targets[optimizer_key(i)]
+        optimizer.load_state_dict(optimizer_state_to_load(names, optimizer, saved))
     return {**meta, **{key: targets[key] for key in extra_keys}}
 
 
