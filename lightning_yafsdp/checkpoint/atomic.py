@@ -76,15 +76,11 @@ def recover(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_directory(path: str | os.PathLike, *, group=None, bytes_here: int = 0) -> Iterator[Path]:
-    """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.
+    """Yield a fresh temporary directory that becomes ``path`` once every rank of ``group``
+    wrote its files into it (collective); ``bytes_here``: about what this rank writes.
 
-    Collective over ``group``: every rank writes its files into the yielded directory;
-    the rename happens once all ranks succeeded. ``bytes_here``: about how many bytes
-    this rank writes (for the message of a failed write).
-
-    Raises:
-        CheckpointSaveError: on every rank when any rank failed (one line); ``path`` is
-            untouched and the temporary directory removed.
+    Raises ``CheckpointSaveError`` on every rank when any rank failed (one line); ``path``
+    is then untouched and the temporary directory removed.
     """
     path, rank = Path(path), world_info(group)[0]
     tmp = tmp_path_for(path)
@@ -115,11 +111,8 @@ def atomic_file(
 ) -> None:
     """Rank 0 calls ``write(tmp_file)``; the file then replaces ``path`` atomically.
 
-    Collective over ``group`` (other ranks only wait for the outcome). ``bytes_needed``
-    (rank 0): about the file's size, for the message of a failed write.
-
-    Raises:
-        CheckpointSaveError: on every rank when rank 0 failed; ``path`` is untouched.
+    Collective (other ranks wait for the outcome); ``bytes_needed``: about the file's
+    size. Raises ``CheckpointSaveError`` on every rank when rank 0 failed, ``path`` untouched.
     """
     path = Path(path)
     tmp = tmp_path_for(path)
@@ -148,11 +141,8 @@ def agree(
     bytes_here: int = 0,
     room_for: Path | None = None,
 ) -> None:
-    """Raise ``CheckpointSaveError`` on every rank if ``error`` is set on any rank.
-
-    One line ([Note: a failed write is one line]); with ``room_for`` (the checkpoint's
-    path) it also says how many bytes the save needs and how many are free.
-    """
+    """Raise ``CheckpointSaveError`` on every rank if ``error`` is set on any rank: one line
+    that, with ``room_for`` (the checkpoint's path), says what the save needs and what is free."""
     rank, world_size = world_info(group)
     # Rank 0 alone reads the free space, so every rank raises the same message.
     free = _free_bytes(room_for) if room_for is not None and rank == 0 else None

@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.checkpoint.atomic import failure_lines
-from lightning_yafsdp.checkpoint.gather import world_info
-from lightning_yafsdp.checkpoint.trees import map_leaves
+from lightning_yafsdp.checkpoint.gather import map_leaves, world_info
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
@@ -127,4 +126,5 @@ class BackgroundSaver:
 
 def _one_line(failure: BaseException) -> str:
     lines = failure_lines(failure, world_info()[0])
-    return f"a background checkpoint save failed: {lines[0][1]}"
+    detail = lines[0][1] if lines else type(failure).__name__
+    return f"a background checkpoint save failed: {detail}"

@@ -77,15 +77,10 @@ def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> d
 
     Returns:
         ``path``, ``kind`` ("sharded" or "full"), ``step`` (Lightning's ``global_step``,
-        else an ``extra["step"]``; None if neither), ``epoch``, ``world_size`` and
-        ``shard_size`` (of the ranks that wrote it; None for foreign files),
-        ``parameter_count`` (elements of the unique trainable parameters, or of every
-        floating tensor in the weights when unknown), ``num_tensors``, ``tensor_names``
-        (weights), ``num_optimizers``, ``size_bytes`` (on disk), ``verified`` (what
-        ``verify_checkpoint`` checked).
-
-    Raises:
-        DamagedCheckpointError: a file is missing or truncated (one line naming it).
+        else an ``extra["step"]``), ``epoch``, ``world_size`` and ``shard_size`` (None for
+        foreign files), ``parameter_count`` (of the sharded parameters, or every floating
+        weight when unknown), ``num_tensors``, ``tensor_names`` (weights),
+        ``num_optimizers``, ``size_bytes`` (on disk), ``verified`` (what was checked).
     """
     path = Path(path)
     verified = verify_checkpoint(path, checksums=checksums)

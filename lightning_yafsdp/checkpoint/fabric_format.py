@@ -68,26 +68,25 @@ def save_fabric_checkpoint(
     filter = dict(filter or {})
     module_key, module, engine = sharded_module_in(state, action="save")
     checkpoint: dict[str, Any] = {}
-    optimizer_keys = []
-    optimizer_states = []
+    optimizers: dict[str, Any] = {}
     for key, obj in state.items():
-        _refuse_reserved(key)
-        if key == module_key:
-            continue
+        if key in _RESERVED:
+            raise ValueError(
+                f"fabric.save: the state key {key!r} is taken by the checkpoint format; rename it"
+            )
         if isinstance(obj, torch.optim.Optimizer):
             if key in filter:
                 raise ValueError(
                     f"fabric.save(filter={{{key!r}: ...}}) filters an optimizer; a part of an "
                     "optimizer's state cannot be loaded back. Filter the model's entries only"
                 )
-            optimizer_keys.append(key)
-            optimizer_states.append(optimizer_entry(engine, obj, state_dict_type))
-        else:
+            optimizers[key] = optimizer_entry(engine, obj, state_dict_type)
+        elif key != module_key:
             value = obj.state_dict() if _is_stateful(obj) else obj
             checkpoint[key] = _filtered(key, value, filter)
-    names = {"module": module_key, "optimizers": optimizer_keys, "entries": list(checkpoint)}
+    names = {"module": module_key, "optimizers": list(optimizers), "entries": list(checkpoint)}
     model_state = _filtered(module_key, model_entry(engine, module, state_dict_type), filter)
-    states = dict(model_state=model_state, optimizer_states=optimizer_states)
+    states = dict(model_state=model_state, optimizer_states=list(optimizers.values()))
     if state_dict_type == "full":
         save_full(path, engine, extra=checkpoint, fabric_keys=names, **states)
     else:
@@ -104,9 +103,8 @@ def load_fabric_checkpoint(
 ) -> dict[str, Any]:
     """Restore ``state`` in place from a Fabric or Trainer checkpoint; return what is left.
 
-    Collective. Checked before anything is loaded: the optimizers given match the
-    saved ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint;
-    with ``verify_checksums`` (default) every file matches its checksums.
+    Collective. Checked before anything is loaded: the optimizers given match the saved
+    ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint.
     """
     module_key, _, engine = sharded_module_in(state, action="load")
     given = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
@@ -200,6 +198,7 @@ def fabric_entries(checkpoint: Mapping[str, Any]) -> list[str]:
 
 
 def engine_of(obj: Any, *, action: str) -> YaFSDPEngine:
+    """The engine of a module set up under ``strategy='yafsdp'``."""
     engine = obj.__dict__.get("_yafsdp_engine") if isinstance(obj, nn.Module) else None
     if engine is None:
         raise ValueError(
@@ -289,10 +288,3 @@ def _filtered(key: str, value: Any, filter: Filter) -> Any:
     if key not in filter or not isinstance(value, Mapping):
         return value
     return {k: v for k, v in value.items() if filter[key](k, v)}
-
-
-def _refuse_reserved(key: str) -> None:
-    if key in _RESERVED:
-        raise ValueError(
-            f"fabric.save: the state key {key!r} is taken by the checkpoint format; rename it"
-        )

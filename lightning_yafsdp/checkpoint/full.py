@@ -24,6 +24,7 @@ import torch
 
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import NotACheckpointError
+from lightning_yafsdp.checkpoint.gather import sharded_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.optimizer_state import (
     ParamNames,
     check_optimizer_count,
@@ -37,7 +38,6 @@ from lightning_yafsdp.checkpoint.state import (
     load_full_model_state_dict,
     module_state,
 )
-from lightning_yafsdp.checkpoint.trees import sharded_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.verify import describe_non_checkpoint, verify_checkpoint
 from lightning_yafsdp.core import YaFSDPEngine
 

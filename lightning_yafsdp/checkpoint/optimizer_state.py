@@ -127,6 +127,12 @@ def optimizer_state_to_load(
     ``CheckpointMismatchError`` before anything is modified.
     """
     current = names.groups(optimizer)
+    if len(current) != len(saved["param_groups"]):
+        raise CheckpointMismatchError(
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, the "
+            f"current optimizer {len(current)}; build the param groups (configure_optimizers) "
+            f"the way they were when the checkpoint was saved. {_LOAD_WEIGHTS_ONLY}"
+        )
     if _is_index_keyed(saved):
         saved = _named_by_position(saved, current)
     hyperparameters = _restored_groups(current, saved["param_groups"])
@@ -228,12 +234,6 @@ def _hyperparameters(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def _restored_groups(current: list[dict], saved_groups: list[dict]) -> list[dict]:
     """The saved groups' hyperparameters, by position, once each holds the same names."""
-    if len(current) != len(saved_groups):
-        raise CheckpointMismatchError(
-            f"the checkpoint's optimizer has {len(saved_groups)} param groups, the current "
-            f"optimizer {len(current)}; configure the optimizer's param groups the way they "
-            f"were when the checkpoint was saved. {_LOAD_WEIGHTS_ONLY}"
-        )
     for position, (now, then) in enumerate(zip(current, saved_groups, strict=True)):
         now, then = list(now["params"]), list(then["params"])
         if now == then:
@@ -261,13 +261,6 @@ def _is_index_keyed(state: Mapping[str, Any]) -> bool:
 def _named_by_position(saved: Mapping[str, Any], current: list[dict]) -> dict:
     """torch's index-keyed layout mapped onto the current optimizer's names (see the note)."""
     saved_groups = saved["param_groups"]
-    if len(saved_groups) != len(current):
-        raise CheckpointMismatchError(
-            f"the checkpoint's optimizer state (index-keyed, as DDP saves it) has "
-            f"{len(saved_groups)} param groups, the current optimizer {len(current)}; "
-            "configure_optimizers must build the same groups as the run that saved it. "
-            + _LOAD_WEIGHTS_ONLY
-        )
     state = {}
     for position, (now, then) in enumerate(zip(current, saved_groups, strict=True)):
         if len(now["params"]) != len(then["params"]):

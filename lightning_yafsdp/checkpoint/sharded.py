@@ -41,6 +41,7 @@ from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME
 from lightning_yafsdp.checkpoint.background import BackgroundSaver, stage
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
+from lightning_yafsdp.checkpoint.gather import sharded_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.optimizer_state import (
     ParamNames,
     check_optimizer_count,
@@ -49,7 +50,6 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.checkpoint.state import check_targets, module_state
-from lightning_yafsdp.checkpoint.trees import sharded_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.verify import (
     META_FILENAME,
     describe_non_checkpoint,

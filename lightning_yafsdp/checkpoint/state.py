@@ -25,11 +25,8 @@ StateDictType = Literal["sharded", "full"]
 
 
 def module_state(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, Any]:
-    """``engine.root.state_dict()`` (overrides honoured), ``prefix`` added to every key.
-
-    Sharded values are detached views of the parameters (no copy); tied parameters
-    appear under every alias.
-    """
+    """``engine.root.state_dict()`` (overrides honoured), ``prefix`` added to every key;
+    sharded values are views of the parameters, tied ones under every alias."""
     return {prefix + name: value for name, value in engine.root.state_dict().items()}
 
 
@@ -55,11 +52,8 @@ def gather_shards(engine: YaFSDPEngine, tree: Any, *, rank0_only: bool = True, *
 def full_model_state_dict(
     engine: YaFSDPEngine, *, prefix: str = "", rank0_only: bool = True, cpu: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Full weights under the original names, gathered one tensor at a time.
-
-    Collective: call on every rank. With ``rank0_only`` (default) ranks other than 0
-    return ``{}``; tied aliases share one tensor.
-    """
+    """Full weights under the original names, gathered one tensor at a time (collective).
+    With ``rank0_only`` (default) ranks other than 0 return ``{}``."""
     state = module_state(engine, prefix=prefix)
     full = gather_shards(engine, state, rank0_only=rank0_only, cpu=cpu)
     if rank0_only and engine.rank != 0:
@@ -103,12 +97,10 @@ def check_targets(
     strict: bool,
     what: str = "model state dict",
 ) -> None:
-    """Raise ``CheckpointMismatchError`` before a load that cannot work.
-
-    Missing/unexpected names (with ``strict``), shape mismatches, and sharded targets
-    that are not views of the engine's parameters: a ``state_dict()`` override may
-    return computed tensors, and loading into those would change nothing yet succeed.
-    """
+    """Raise ``CheckpointMismatchError`` before a load that cannot work: missing or
+    unexpected names (with ``strict``), other shapes, or sharded targets that are not
+    views of the engine's parameters (a ``state_dict()`` override's computed tensors:
+    loading into those would change nothing, yet succeed)."""
     expected = {k: torch.Size(v.shape) for k, v in targets.items()}
     problems = []
     if strict and set(expected) - set(found):

@@ -80,9 +80,8 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> st
 
     Raises:
         NotACheckpointError: ``path`` does not exist or is no checkpoint.
-        DamagedCheckpointError: one line naming the bad file, what is wrong with it
-            (missing, truncated: N of M bytes, unreadable, changed) and which other
-            checkpoints next to it can be used instead.
+        DamagedCheckpointError: one line naming the bad file, what is wrong with it and
+            which checkpoints next to it can be loaded instead.
     """
     path = Path(path)
     if path.is_file():
@@ -177,15 +176,9 @@ def write_manifest(
 ) -> None:
     """Collective: digest each rank's own files and write the manifest on rank 0.
 
-    Args:
-        directory: the (temporary) checkpoint directory, every file already written.
-        rank_zero_files: names rank 0 wrote besides its DCP data (``meta.pt``).
-        failure: this rank's error while writing its files; every rank still calls in,
-            so none waits forever, and nothing is written.
-
-    Raises:
-        BaseException: ``failure`` itself, on the rank that passed it.
-        OSError: on the other ranks when any rank failed or could not read its files.
+    ``rank_zero_files``: what rank 0 wrote besides its DCP data. ``failure``: this rank's
+    error while writing its files; every rank still calls in, so none waits forever, and
+    nothing is written: the rank that failed raises ``failure``, the others ``OSError``.
     """
     rank, world_size = world_info(group)
     digests: dict[str, Any] = {}
@@ -217,10 +210,7 @@ def write_manifest(
 
 def read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
     """``{name: {"bytes", "crc32"}}`` from the manifest; None when there is none.
-
-    Raises:
-        ValueError: the manifest exists but is not the JSON we write (damaged).
-    """
+    ``ValueError`` when it exists but is not the JSON we write (damaged)."""
     path = directory / MANIFEST_FILENAME
     if not path.is_file():
         return None
