@@ -75,16 +75,19 @@ def recover(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, group=None, bytes_here: int = 0) -> Iterator[Path]:
-    """Yield a fresh temporary directory that becomes ``path`` once every rank of ``group``
-    wrote its files into it (collective); ``bytes_here``: about what this rank writes.
+def atomic_path(
+    path: str | os.PathLike, *, group=None, directory: bool = True, bytes_here: int = 0
+) -> Iterator[Path]:
+    """Yield a temporary path that becomes ``path`` once every rank of ``group`` is done.
 
-    Raises ``CheckpointSaveError`` on every rank when any rank failed (one line); ``path``
-    is then untouched and the temporary directory removed.
+    Collective. ``directory``: a fresh directory every rank writes its files into; else a
+    file name for rank 0 to write (the other ranks wait for the outcome). ``bytes_here``:
+    about what this rank writes. Raises ``CheckpointSaveError`` on every rank when any rank
+    failed (one line); ``path`` is then untouched and the temporary path removed.
     """
     path, rank = Path(path), world_info(group)[0]
     tmp = tmp_path_for(path)
-    error = attempt(lambda: _prepare(path, tmp, directory=True)) if rank == 0 else None
+    error = attempt(lambda: _prepare(path, tmp, directory=directory)) if rank == 0 else None
     agree(error, group=group, doing=f"preparing to save {str(path)!r}")
     try:
         yield tmp
@@ -98,39 +101,12 @@ def atomic_directory(path: str | os.PathLike, *, group=None, bytes_here: int = 0
         agree(error, group=group, doing=doing, bytes_here=bytes_here, room_for=path)
     except CheckpointSaveError:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            attempt(lambda: _remove(tmp))
         raise
     if rank == 0 and (error := attempt(lambda: _commit(tmp, path))) is not None:
-        shutil.rmtree(tmp, ignore_errors=True)  # the new files go; the old checkpoint stays
+        attempt(lambda: _remove(tmp))  # the new files go; the old checkpoint stays
         attempt(lambda: recover(path))
     agree(error, group=group, doing=f"committing checkpoint {str(path)!r}")
-
-
-def atomic_file(
-    path: str | os.PathLike, write: Callable[[Path], None], *, group=None, bytes_needed: int = 0
-) -> None:
-    """Rank 0 calls ``write(tmp_file)``; the file then replaces ``path`` atomically.
-
-    Collective (other ranks wait for the outcome); ``bytes_needed``: about the file's
-    size. Raises ``CheckpointSaveError`` on every rank when rank 0 failed, ``path`` untouched.
-    """
-    path = Path(path)
-    tmp = tmp_path_for(path)
-
-    def run() -> None:
-        _prepare(path, tmp, directory=False)
-        write(tmp)
-        fsync_file(tmp)
-        if before_commit is not None:
-            before_commit(tmp)
-        _commit(tmp, path)
-
-    error = attempt(run) if world_info(group)[0] == 0 else None
-    if error is not None:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-    doing = f"saving checkpoint {str(path)!r}"
-    agree(error, group=group, doing=doing, bytes_here=bytes_needed, room_for=path)
 
 
 def agree(
@@ -303,7 +279,9 @@ def _prepare(path: Path, tmp: Path, *, directory: bool) -> None:
 
 def _commit(tmp: Path, path: Path) -> None:
     apply_default_modes(tmp)
-    for root, _, files in os.walk(tmp):  # nothing to walk for a file: fsynced by its writer
+    if tmp.is_file():
+        fsync_file(tmp)
+    for root, _, files in os.walk(tmp):  # a directory: every file, then the directory
         for name in files:
             fsync_file(Path(root) / name)
         fsync_directory(Path(root))

@@ -94,8 +94,9 @@ def save_full(
             checkpoint[OPTIMIZER_STATES_KEY] = [checkpoint.pop(k) for k in optimizer_keys]
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states))
     needed = tensor_bytes(checkpoint) if engine.rank == 0 else 0  # for a failure's message
-    write = lambda tmp: torch.save(checkpoint, tmp)  # noqa: E731
-    atomic.atomic_file(path, write, group=engine.group, bytes_needed=needed)
+    with atomic.atomic_path(path, group=engine.group, directory=False, bytes_here=needed) as tmp:
+        if engine.rank == 0:
+            torch.save(checkpoint, tmp)
 
 
 def load_full(

@@ -148,7 +148,7 @@ def _write_sharded(
     path: Path, state: dict[str, Any], meta: bytes | Exception, *, group, bytes_here: int
 ) -> None:
     """DCP's files, ``meta.pt`` and the manifest into a temporary directory, then commit."""
-    with atomic.atomic_directory(path, group=group, bytes_here=bytes_here) as tmp:
+    with atomic.atomic_path(path, group=group, bytes_here=bytes_here) as tmp:
         dcp.save(
             state,
             storage_writer=FileSystemWriter(tmp, sync_files=True),
