@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_yafsdp.checkpoint import atomic
@@ -28,6 +27,7 @@ from lightning_yafsdp.checkpoint.sharded import (
     FORMAT_KEY,
     MODEL_KEY,
     MODEL_PARALLEL_MODEL_KEY,
+    CheckpointLayout,
     is_sharded_checkpoint,
     read_meta,
 )
@@ -110,18 +110,10 @@ def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> d
 
 def _directory_contents(path: Path) -> tuple[dict[str, torch.Size], int, int]:
     """``({weight name: shape}, floating elements, optimizer count)`` from ``.metadata``."""
-    metadata = FileSystemReader(path).read_metadata()
-    paths = metadata.planner_data or {}
-    top = {fqn: paths.get(fqn, (fqn,))[0] for fqn in metadata.state_dict_metadata}
-    weights = {
-        fqn[len(MODEL_KEY) + 1 :]: md  # DCP's name of a weight is "model.<its name>"
-        for fqn, md in metadata.state_dict_metadata.items()
-        if top[fqn] == MODEL_KEY and not isinstance(md, BytesStorageMetadata)
-    }
-    floating = [md for md in weights.values() if md.properties.dtype.is_floating_point]
+    layout = CheckpointLayout(FileSystemReader(path).read_metadata())
+    floating = [md for md in layout.model.values() if md.properties.dtype.is_floating_point]
     counted = sum(md.size.numel() for md in floating)
-    num_optimizers = len({key for key in top.values() if str(key).startswith("optimizer_")})
-    return {name: md.size for name, md in weights.items()}, counted, num_optimizers
+    return layout.model_shapes, counted, layout.num_optimizers
 
 
 def _file_contents(path: Path) -> tuple[Mapping[str, Any], dict[str, torch.Size], int, int]:

@@ -67,6 +67,7 @@ FORMAT_KEY = "yafsdp"
 FORMAT_VERSION = 2  # 2: per-parameter optimizer groups (DCP's protocol writes the same files)
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
 
+
 def optimizer_key(index: int) -> str:
     return f"optimizer_{index}"
 
@@ -228,11 +229,16 @@ def load_sharded(
     meta = read_meta(path)
     names = ParamNames(engine)
     model = module_state(engine)
-    _check_before_reading(path, layout, engine, names, model, len(optimizers), strict=strict)
+    # Everything .metadata can tell is checked before anything is read.
+    check_targets(engine, model, layout.model_shapes, strict=strict, what=f"checkpoint {path}")
+    check_optimizer_count(path, saved=layout.num_optimizers, given=len(optimizers))
     extra_keys = [k for k in meta.get(FORMAT_KEY, {}).get("sharded_keys", []) if k in layout.top]
     targets = {layout.model_key: {n: v for n, v in model.items() if n in layout.model_shapes}}
     for key in [optimizer_key(i) for i in range(len(optimizers))] + extra_keys:
         targets[key] = layout.read_targets(key, lambda p, md: _target(names, model, p, md))
+    for i in range(len(optimizers)):
+        state = targets[optimizer_key(i)].get("state", {})
+        check_state_names(names, state, what=f"optimizer {i} in checkpoint {path}")
     dcp.load(targets, storage_reader=FileSystemReader(path), process_group=engine.group)
     engine.mark_weights_changed()
     for i, optimizer in enumerate(optimizers):
@@ -251,6 +257,12 @@ def _target(
         return None
     param = names.sharded.get(path[2]) if len(path) == 4 and path[1] == "state" else None
     if param is not None and len(md.size) > 0:
+        if torch.Size(md.size) != param._placement.shape:
+            raise CheckpointMismatchError(
+                f"{path[0]} state {path[3]!r} of {path[2]!r} has shape {tuple(md.size)} in "
+                f"the checkpoint, the parameter {tuple(param._placement.shape)}; only "
+                "per-element and scalar optimizer state can be loaded by name"
+            )
         device = param._local.device
         local = torch.zeros(param._placement.numel, dtype=md.properties.dtype, device=device)
         return RangeShardedTensor(local, param._placement, param._group)
@@ -270,34 +282,6 @@ def _verified_layout(path: Path, engine: YaFSDPEngine, *, verify_checksums: bool
     return CheckpointLayout(FileSystemReader(path).read_metadata())
 
 
-def _check_before_reading(
-    path: Path,
-    layout: CheckpointLayout,
-    engine: YaFSDPEngine,
-    names: ParamNames,
-    model: Mapping[str, Any],
-    num_optimizers: int,
-    *,
-    strict: bool,
-) -> None:
-    """Everything ``.metadata`` can tell: names, shapes, optimizer count and state names."""
-    what = f"checkpoint {path}"
-    check_targets(engine, model, layout.model_shapes, strict=strict, what=what)
-    check_optimizer_count(path, saved=layout.num_optimizers, given=num_optimizers)
-    for i in range(num_optimizers):
-        states = layout.optimizer_state_shapes(i)
-        check_state_names(names, states, what=f"optimizer {i}")
-        for name, keys in states.items():
-            param = names.sharded.get(name)
-            for key, size in keys.items():
-                if param is not None and len(size) > 0 and size != param._placement.shape:
-                    raise CheckpointMismatchError(
-                        f"optimizer {i} state {key!r} of {name!r} has shape {tuple(size)} in "
-                        f"the checkpoint, the parameter {tuple(param._placement.shape)}; only "
-                        "per-element and scalar optimizer state can be loaded by name"
-                    )
-
-
 class CheckpointLayout:
     """What a DCP checkpoint holds, by the paths it was saved under (from ``.metadata``)."""
 
@@ -307,25 +291,17 @@ class CheckpointLayout:
         self.paths = {fqn: tuple(planner_paths.get(fqn, (fqn,))) for fqn in self.storage}
         self.top = {path[0] for path in self.paths.values()}
         self.model_key = MODEL_KEY if MODEL_KEY in self.top else MODEL_PARALLEL_MODEL_KEY
-        self.model_shapes = {
-            path[1]: torch.Size(md.size)
+        self.model = {  # the weights' storage metadata by name
+            path[1]: md
             for _, path, md in self._under(self.model_key)
             if len(path) == 2 and not isinstance(md, BytesStorageMetadata)
         }
+        self.model_shapes = {name: torch.Size(md.size) for name, md in self.model.items()}
         self.num_optimizers = len([key for key in self.top if _OPTIMIZER_KEY.match(str(key))])
 
     def _under(self, key: str) -> list[tuple[str, tuple, Any]]:
         """``(fqn, path, storage md)`` of everything saved under the top-level ``key``."""
         return [(fqn, p, self.storage[fqn]) for fqn, p in self.paths.items() if p[0] == key]
-
-    def optimizer_state_shapes(self, optimizer: int) -> dict[str, dict[str, torch.Size]]:
-        """``{name: {key: stored shape}}`` of an optimizer's state (``()``: an object)."""
-        shapes: dict[str, dict[str, torch.Size]] = {}
-        for _, path, md in self._under(optimizer_key(optimizer)):
-            if len(path) == 4 and path[1] == "state":
-                size = () if isinstance(md, BytesStorageMetadata) else md.size
-                shapes.setdefault(path[2], {})[path[3]] = torch.Size(size)
-        return shapes
 
     def read_targets(self, key: str, target: Callable[[tuple, Any], Any]) -> Any:
         """The nested value saved under ``key``, each leaf ``target(path, storage md)``."""
