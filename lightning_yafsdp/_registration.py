@@ -180,23 +180,13 @@ def _reading_sharded_directories(reader: Callable[..., Any]) -> Callable[..., An
 
 
 def _as_lightning_checkpoint(checkpoint: Any) -> Any:
-    """A checkpoint written by ``fabric.save`` as ``load_from_checkpoint`` reads one.
-
-    Fabric records no Lightning version, and a full file keeps the weights under the
-    user's key ([Note: one checkpoint format for Fabric and the Trainer]).
-    """
-    from lightning_yafsdp.checkpoint.full import FABRIC_KEYS, STATE_DICT_KEY
-
-    if not isinstance(checkpoint, dict) or FABRIC_KEYS not in checkpoint:
-        return checkpoint
+    """A checkpoint written by ``fabric.save`` as ``load_from_checkpoint`` reads one
+    ([Note: one checkpoint format for Fabric and the Trainer])."""
     import lightning
 
-    checkpoint = dict(checkpoint)
-    checkpoint.setdefault("pytorch-lightning_version", lightning.__version__)
-    module_key = checkpoint[FABRIC_KEYS].get("module")
-    if STATE_DICT_KEY not in checkpoint and module_key in checkpoint:
-        checkpoint[STATE_DICT_KEY] = checkpoint[module_key]
-    return checkpoint
+    from lightning_yafsdp.checkpoint.fabric_format import as_trainer_checkpoint
+
+    return as_trainer_checkpoint(checkpoint, lightning_version=lightning.__version__)
 
 
 def _lightning_checkpoint_from_directory(

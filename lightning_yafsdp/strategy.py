@@ -65,8 +65,7 @@ from lightning_yafsdp.adapters.mesh import ShardingState
 from lightning_yafsdp.adapters.options import ShardingOptions
 from lightning_yafsdp.adapters.saving import BackgroundSaving
 from lightning_yafsdp.adapters.sharding import place_module, shard_module
-from lightning_yafsdp.checkpoint import load_lightning_checkpoint, save_lightning_checkpoint
-from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
+from lightning_yafsdp.checkpoint import load_checkpoint, save_checkpoint
 from lightning_yafsdp.checkpoint.fabric_format import (
     FABRIC_KEYS,
     as_trainer_checkpoint,
@@ -74,6 +73,8 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     fabric_entries,
     read_checkpoint_extras,
 )
+from lightning_yafsdp.checkpoint.optimizer_state import optimizer_entry
+from lightning_yafsdp.checkpoint.state import StateDictType, model_entry, module_state
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.plan.meta_build import meta_device
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec
@@ -465,10 +466,15 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
                 "YaFSDPStrategy writes checkpoints itself and does not use CheckpointIO "
                 "storage_options; call trainer.save_checkpoint(path) without them"
             )
-        save_lightning_checkpoint(
-            checkpoint,
+        # As Lightning's FSDPStrategy: the weights and optimizer states come out of
+        # Lightning's dict (they are what is sharded); the rest is saved beside them.
+        rest = dict(checkpoint)
+        save_checkpoint(
             self.broadcast(filepath),  # every rank must write to rank 0's path
-            engine=self.engine,
+            self.engine,
+            extra=rest,
+            model_state=rest.pop("state_dict"),
+            optimizer_states=rest.pop("optimizer_states", []),
             state_dict_type=self.state_dict_type,
             background=self._saver_for_save(self.engine.group),
         )
@@ -485,13 +491,16 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
         extras = read_checkpoint_extras(path)
         schedulers = len(trainer.lr_scheduler_configs) if fitting else 0
         check_trainer_can_resume(extras, num_schedulers=schedulers)
-        checkpoint = load_lightning_checkpoint(
+        checkpoint = load_checkpoint(
             path,
-            engine=self.engine,
+            self.engine,
             optimizers=self.optimizers if fitting else (),
             strict=self.lightning_module.strict_loading,
             verify_checksums=self._options.verify_checksums,
         )
+        # Hooks and callbacks that read it (WeightAveraging.on_load_checkpoint) get the
+        # module's state_dict() after loading: sharded views.
+        checkpoint["state_dict"] = module_state(self.engine)
         if FABRIC_KEYS not in checkpoint:
             return checkpoint
         rank_zero_warn(

@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_yafsdp import YaFSDPStrategy
 from lightning_yafsdp.checkpoint import CheckpointSaveError, atomic, sharded
-from lightning_yafsdp.checkpoint.manifest import MANIFEST_FILENAME
+from lightning_yafsdp.checkpoint.verify import MANIFEST_FILENAME
 from tests import checkpoint_scenarios as sc
 from tests.distributed import RankFailedError, dist_run
 from tests.test_strategy_checkpoint import ScheduledLM, _full_weights, _loader, _trainer

@@ -27,9 +27,9 @@ from lightning_yafsdp.checkpoint import (
     consolidate_checkpoint,
     inspect_checkpoint,
     load_checkpoint,
-    render_inspection,
     save_checkpoint,
 )
+from lightning_yafsdp.cli.checkpoints import render_inspection
 from lightning_yafsdp.core.optim.sharded_param import range_to_boxes
 from lightning_yafsdp.export import export_checkpoint
 from tests import checkpoint_scenarios as sc

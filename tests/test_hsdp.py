@@ -260,7 +260,8 @@ def test_only_the_first_replica_writes_weights_and_optimizer_state(saved_at_4):
 def test_inspect_tells_the_mesh_a_checkpoint_was_written_under(saved_at_4):
     from rich.console import Console
 
-    from lightning_yafsdp.checkpoint import inspect_checkpoint, render_inspection
+    from lightning_yafsdp.checkpoint import inspect_checkpoint
+    from lightning_yafsdp.cli.checkpoints import render_inspection
 
     root, _ = saved_at_4
     for name in ("hsdp", "hsdp.pt"):

@@ -14,6 +14,7 @@ engine logic and neither writes them twice:
   the warning when a shard group spans more machines than it needs.
 - ``saving.py``: ``async_save=True``: when a background save is waited for and reported.
 
-The checkpoint entries both write are ``checkpoint/entries.py``. Nothing here imports
+The checkpoint entries both write are ``model_entry`` (``checkpoint/state.py``) and
+``optimizer_entry`` (``checkpoint/optimizer_state.py``). Nothing here imports
 ``lightning.pytorch``, so a Fabric-only program never loads it.
 """

@@ -16,7 +16,7 @@ from lightning_yafsdp.adapters.arguments import (
     check_against_run,
     check_plumbing,
 )
-from lightning_yafsdp.checkpoint.entries import StateDictType
+from lightning_yafsdp.checkpoint.state import StateDictType
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec

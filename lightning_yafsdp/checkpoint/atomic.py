@@ -19,21 +19,17 @@ checkpoint or export that only its writer can read surprises whoever shares the
 run directory. Before the commit every committed file gets the mode a plain
 ``open()`` would give, ``0o666 & ~umask``, and every directory ``0o777 & ~umask``.
 
-Ranks agree on the outcome with one ``all_gather_object`` of error messages
-after each phase, so a failure on one rank (an unwritable path, a full disk)
-raises the same ``CheckpointSaveError`` on every rank instead of leaving the
-others waiting in a collective. Nothing here touches training state.
-
 [Note: a failed write is one line]
-A full disk or any other write error surfaces inside DCP, which wraps every rank's
-exception with its traceback into one ``CheckpointException`` (a ``BaseException``,
-so ``except Exception`` lets it through, and the partial ``-tmp`` directory used to
-stay behind) and raises it on every rank: 200+ lines naming no checkpoint. ``agree``
-takes DCP's exception apart into one ``rank r: Type: first line`` per failed rank
-(each rank sends what it knows, duplicates dropped), and the write phase's message
-says what a retry needs: the bytes the checkpoint takes (each rank's share, summed),
-what is free on that filesystem, and that the previous checkpoint stays in place
-until the new one is complete, so replacing a checkpoint needs room for both at once.
+Ranks agree on the outcome of each phase with one object all-gather of error
+messages (``agree``), so a failure on one rank (an unwritable path, a full disk)
+raises the same ``CheckpointSaveError`` on every rank instead of leaving the others
+waiting in a collective. A write error inside DCP comes back as one
+``CheckpointException`` (a ``BaseException``, so ``except Exception`` lets it through)
+holding every rank's traceback: 200+ lines naming no checkpoint. ``agree`` takes it
+apart into one ``rank r: Type: first line`` per failed rank, and the write phase's
+message says what a retry needs: the bytes the checkpoint takes (each rank's share,
+summed), what is free on that filesystem, and that the previous checkpoint stays in
+place until the new one is complete, so replacing one needs room for both at once.
 """
 
 from __future__ import annotations
@@ -44,23 +40,21 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from lightning_yafsdp.checkpoint.errors import CheckpointSaveError
+from lightning_yafsdp.checkpoint.errors import CheckpointSaveError, first_line
+from lightning_yafsdp.checkpoint.gather import world_info
 from lightning_yafsdp.core.comm.collectives import all_gather_objects
 
 # What a save may raise: DCP's wrapper of every rank's error is a BaseException.
 SAVE_FAILURES = (Exception, CheckpointException)
 _TORCH_SAVE_SHORT_WRITE = "inline_container.cc"  # "[enforce fail at ...] unexpected pos"
-
 TMP_SUFFIX = ".yafsdp-tmp"
-DCP_METADATA_FILENAME = ".metadata"  # what makes a directory a sharded checkpoint
 OLD_SUFFIX = ".yafsdp-old"
+DCP_METADATA_FILENAME = ".metadata"  # what makes a directory a sharded checkpoint
 
-# Test hook: called on every rank after the checkpoint's files are written into
-# the temporary directory and before ranks agree and commit (``hook(tmp_path)``).
-# Tests use it to pause a save and kill a rank mid-save.
+# Test hook: called on every rank after the checkpoint's files are written into the
+# temporary path and before the commit (``hook(tmp_path)``); tests kill a rank there.
 before_commit: Callable[[Path], None] | None = None
 
 
@@ -81,24 +75,19 @@ def recover(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(path: str | os.PathLike, *, group=None, bytes_here: int = 0) -> Iterator[Path]:
-    """Yield a fresh temporary directory that becomes ``path`` when the block succeeds.
+def atomic_path(
+    path: str | os.PathLike, *, group=None, directory: bool = True, bytes_here: int = 0
+) -> Iterator[Path]:
+    """Yield a temporary path that becomes ``path`` once every rank of ``group`` is done.
 
-    Collective over ``group``: every rank enters, writes its files into the
-    yielded directory, and leaves; the rename happens once all ranks succeeded.
-    ``bytes_here``: about how many bytes this rank writes (for the message when a
-    write fails, [Note: a failed write is one line]).
-
-    Raises:
-        CheckpointSaveError: on every rank when any rank failed (one line); ``path``
-            is untouched and the temporary directory removed.
+    Collective. ``directory``: a fresh directory every rank writes its files into; else a
+    file name for rank 0 to write (the other ranks wait for the outcome). ``bytes_here``:
+    about what this rank writes. Raises ``CheckpointSaveError`` on every rank when any rank
+    failed (one line); ``path`` is then untouched and the temporary path removed.
     """
-    path = Path(path)
+    path, rank = Path(path), world_info(group)[0]
     tmp = tmp_path_for(path)
-    rank = _rank(group)
-    error = None
-    if rank == 0:
-        error = _attempt(lambda: _prepare(path, tmp, directory=True))
+    error = attempt(lambda: _prepare(path, tmp, directory=directory)) if rank == 0 else None
     agree(error, group=group, doing=f"preparing to save {str(path)!r}")
     try:
         yield tmp
@@ -107,68 +96,17 @@ def atomic_directory(path: str | os.PathLike, *, group=None, bytes_here: int = 0
     else:
         if before_commit is not None:
             before_commit(tmp)
-    _agree_or_clean_up(error, group=group, path=path, tmp=tmp, bytes_here=bytes_here)
-    if rank == 0:
-        error = _attempt(lambda: _commit(tmp, path))
-        if error is not None:  # the new files are dropped; the old checkpoint comes back
-            shutil.rmtree(tmp, ignore_errors=True)
-            _attempt(lambda: recover(path))
-    agree(error, group=group, doing=f"committing checkpoint {str(path)!r}")
-
-
-def _agree_or_clean_up(
-    error: BaseException | None, *, group, path: Path, tmp: Path, bytes_here: int
-) -> None:
-    """The write phase's ``agree``: on failure rank 0 removes ``tmp`` before raising."""
     try:
-        agree(
-            error,
-            group=group,
-            doing=f"writing checkpoint {str(path)!r}",
-            bytes_here=bytes_here,
-            room_for=path,
-        )
+        doing = f"writing checkpoint {str(path)!r}"
+        agree(error, group=group, doing=doing, bytes_here=bytes_here, room_for=path)
     except CheckpointSaveError:
-        if _rank(group) == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            attempt(lambda: _remove(tmp))
         raise
-
-
-def atomic_file(
-    path: str | os.PathLike, write: Callable[[Path], None], *, group=None, bytes_needed: int = 0
-) -> None:
-    """Rank 0 calls ``write(tmp_file)``; the file then replaces ``path`` atomically.
-
-    Collective over ``group`` (other ranks only wait for the outcome). ``bytes_needed``
-    (rank 0): about the file's size, for the message when the write fails.
-
-    Raises:
-        CheckpointSaveError: on every rank when rank 0 failed; ``path`` is untouched.
-    """
-    path = Path(path)
-    tmp = tmp_path_for(path)
-    error = None
-    if _rank(group) == 0:
-
-        def run() -> None:
-            _prepare(path, tmp, directory=False)
-            write(tmp)
-            fsync_file(tmp)
-            if before_commit is not None:
-                before_commit(tmp)
-            _commit(tmp, path)
-
-        error = _attempt(run)
-        if error is not None:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-    agree(
-        error,
-        group=group,
-        doing=f"saving checkpoint {str(path)!r}",
-        bytes_here=bytes_needed,
-        room_for=path,
-    )
+    if rank == 0 and (error := attempt(lambda: _commit(tmp, path))) is not None:
+        attempt(lambda: _remove(tmp))  # the new files go; the old checkpoint stays
+        attempt(lambda: recover(path))
+    agree(error, group=group, doing=f"committing checkpoint {str(path)!r}")
 
 
 def agree(
@@ -179,27 +117,21 @@ def agree(
     bytes_here: int = 0,
     room_for: Path | None = None,
 ) -> None:
-    """Raise ``CheckpointSaveError`` on every rank if ``error`` is set on any rank.
-
-    One line ([Note: a failed write is one line]); with ``room_for`` (the checkpoint's
-    path) it also says how many bytes the save needs (``bytes_here`` summed over the
-    ranks, or the size of the checkpoint it replaces if larger) and how many are free.
-    """
+    """Raise ``CheckpointSaveError`` on every rank if ``error`` is set on any rank: one line
+    that, with ``room_for`` (the checkpoint's path), says what the save needs and what is free."""
+    rank, world_size = world_info(group)
     # Rank 0 alone reads the free space, so every rank raises the same message.
-    free = _free_bytes(room_for) if room_for is not None and _rank(group) == 0 else None
-    report = (failure_lines(error, _rank(group)), bytes_here, free)
-    if _world_size(group) > 1:
-        reports = all_gather_objects(report, group=group)
-    else:
-        reports = [report]
+    free = _free_bytes(room_for) if room_for is not None and rank == 0 else None
+    report = (failure_lines(error, rank), bytes_here, free)
+    reports = all_gather_objects(report, group=group) if world_size > 1 else [report]
     failures: dict[int, str] = {}
     for lines, _, _ in reports:
-        for rank, line in lines:
-            failures.setdefault(rank, line)
+        for failed_rank, line in lines:
+            failures.setdefault(failed_rank, line)
     if not failures:
         return
     shown = sorted(failures.items())
-    detail = "; ".join(f"rank {rank}: {line}" for rank, line in shown[:2])
+    detail = "; ".join(f"rank {r}: {line}" for r, line in shown[:2])
     if len(shown) > 2:
         detail += f" and {len(shown) - 2} more rank(s)"
     room = ""
@@ -222,8 +154,7 @@ def failure_lines(error: BaseException | None, rank: int) -> list[tuple[int, str
 
 
 def _one_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    first = lines[0] if lines else ""
+    first = first_line(error) if str(error).strip() else ""
     if _TORCH_SAVE_SHORT_WRITE in first:
         # torch.save's C++ writer reports a short write without the OS's errno.
         first = (
@@ -238,9 +169,8 @@ def _room(tensor_bytes: int, free_bytes: int | None, path: Path) -> str:
     # The tensors' bytes leave out DCP's few hundred bytes per stored box, which only
     # matter for tiny models; the checkpoint being replaced is the better measure.
     needed = max(tensor_bytes, _bytes_on_disk(path))
-    if free_bytes is None:
-        free = "the free space there could not be read"
-    else:
+    free = "the free space there could not be read"
+    if free_bytes is not None:
         free = f"{_size(free_bytes)} are free there"
     return (
         f" The checkpoint needs at least {_size(needed)} and {free}; a checkpoint it "
@@ -257,9 +187,8 @@ def _free_bytes(path: Path) -> int | None:
 
 def _bytes_on_disk(path: Path) -> int:
     try:
-        if path.is_file():
-            return path.stat().st_size
-        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        return sum(p.stat().st_size for p in files)
     except OSError:
         return 0
 
@@ -271,17 +200,17 @@ def _size(nbytes: int) -> str:
     return f"{nbytes:,} bytes"
 
 
+# -- the filesystem ----------------------------------------------------------------------
+
+
 def umask() -> int:
-    """The process umask, read without changing it where Linux allows."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    # Elsewhere the only way to read it is to set it: restored at once.
-    current = os.umask(0o022)
+    """The process umask, read without changing it where Linux allows (a background
+    save's thread may be creating files meanwhile)."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    current = os.umask(0o022)  # elsewhere the only way to read it: restored at once
     os.umask(current)
     return current
 
@@ -309,41 +238,26 @@ def fsync_file(path: Path) -> None:
 
 def fsync_directory(path: Path) -> None:
     """Persist a directory's entries (renames, new files); a no-op where unsupported."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def attempt(fn: Callable[[], None]) -> BaseException | None:
+    """Run ``fn``; return what it raised (for ``agree`` to report to every rank)."""
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: Path) -> None:
-    """fsync every file under ``path`` and the directories themselves."""
-    for root, _, files in os.walk(path):
-        for name in files:
-            fsync_file(Path(root) / name)
-        fsync_directory(Path(root))
-
-
-# -- rank 0's steps ---------------------------------------------------------------------
+        fn()
+    except SAVE_FAILURES as exc:
+        return exc
+    return None
 
 
 def _prepare(path: Path, tmp: Path, *, directory: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     recover(path)
-    _refuse_to_replace_a_foreign_directory(path)
-    _remove(tmp)  # left by a save that died
-    if old_path_for(path).exists():  # left by a save that died after its commit
-        _remove(old_path_for(path))
-    if directory:
-        tmp.mkdir()
-
-
-def _refuse_to_replace_a_foreign_directory(path: Path) -> None:
     # A commit replaces whatever is at ``path``; a directory holding anything but a
     # sharded checkpoint (e.g. trainer.save_checkpoint("outputs")) would be deleted.
     if (
@@ -357,12 +271,20 @@ def _refuse_to_replace_a_foreign_directory(path: Path) -> None:
             "would replace everything in it. Pass a new path (e.g. a file name inside it) "
             "or remove the directory first"
         )
+    _remove(tmp)  # left by a save that died
+    _remove(old_path_for(path))  # left by a save that died after its commit
+    if directory:
+        tmp.mkdir()
 
 
 def _commit(tmp: Path, path: Path) -> None:
     apply_default_modes(tmp)
-    if tmp.is_dir():
-        fsync_tree(tmp)
+    if tmp.is_file():
+        fsync_file(tmp)
+    for root, _, files in os.walk(tmp):  # a directory: every file, then the directory
+        for name in files:
+            fsync_file(Path(root) / name)
+        fsync_directory(Path(root))
     if path.exists() and (path.is_dir() or tmp.is_dir()):
         old = old_path_for(path)
         os.replace(path, old)
@@ -381,24 +303,7 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _attempt(fn: Callable[[], None]) -> BaseException | None:
-    try:
-        fn()
-    except SAVE_FAILURES as exc:  # reported to every rank by agree()
-        return exc
-    return None
-
-
-def _rank(group) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size(group) -> int:
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-
-
 def _chmod(path: Path, mode: int) -> None:
-    # A mode is a courtesy, not worth failing a save for (e.g. another user's
-    # file on a shared filesystem).
+    # A mode is a courtesy, not worth failing a save for (e.g. another user's file).
     with contextlib.suppress(OSError):
         os.chmod(path, mode)

@@ -2,30 +2,28 @@
 
 [Note: background saves]
 ``YaFSDPStrategy(async_save=True)`` (Trainer and Fabric) returns from a sharded save as
-soon as the state is STAGED: every ``RangeShardedTensor`` piece, plain tensor and
-object of the DCP state dict copied to CPU (``stage``), ``meta.pt`` pickled to bytes.
-Training then goes on and may change the parameters and optimizer state in place;
-the copy is what gets written. One worker thread then runs the same write as a
-synchronous save ([Note: atomic commit]: DCP's files, ``meta.pt``, the checksum
-manifest, then the rename), so the commit and the manifest happen when the write is
-complete, and a kill -9 at any moment leaves the previous checkpoint intact.
+soon as the state is STAGED: every ``RangeShardedTensor`` piece, plain tensor and object
+of the DCP state dict copied to CPU (``stage``), ``meta.pt`` pickled to bytes. Training
+then goes on and may change parameters and optimizer state in place; the copy is what
+gets written. One worker thread runs the same write as a synchronous save ([Note: atomic
+commit]: DCP's files, ``meta.pt``, the checksum manifest, then the rename), so the
+commit and the manifest happen when the write is complete, and a kill -9 at any moment
+leaves the previous checkpoint intact.
 
 The thread's collectives (DCP's plan exchange, the manifest's gather, the ranks'
-agreement on the outcome) run on a dedicated gloo group created for it, never on the
-training group: two threads issuing collectives on one group would interleave them.
-This is what torchtitan does with ``dcp.async_save`` on a gloo group. We do not call
-``dcp.async_save`` itself: its default stager reads raw storage (``data_ptr``), which
-a RangeShardedTensor refuses on purpose, and its future completes before the manifest
-and the commit, which must run in the same thread after the write. Lightning's
-``AsyncCheckpointIO`` cannot carry it either: it runs a per-rank ``CheckpointIO`` save
-on a copy of the dict without a process group, and a sharded save is collective.
+agreement on the outcome) run on a gloo group created for it, never on the training
+group: two threads issuing collectives on one group would interleave them. torchtitan
+does the same with ``dcp.async_save`` on a gloo group. We do not call ``dcp.async_save``:
+its default stager reads raw storage (``data_ptr``), which a RangeShardedTensor refuses
+on purpose, and its future completes before the manifest and the commit, which must run
+in the same thread after the write. Lightning's ``AsyncCheckpointIO`` cannot carry it
+either: it runs a per-rank ``CheckpointIO`` save without a process group, and a sharded
+save is collective.
 
-One save at a time: the next save, a load and the end of training ``wait()`` for the
-one in flight. A failed background write (``CheckpointSaveError``, the same one line
-on every rank, [Note: a failed write is one line]) is never lost: ``poll()`` hands its
-line out once, at the next training step, and ``wait()`` raises it at the next save,
-load or end of fit. Every rank raises it there, at the same point of the program,
-since every rank waits there for its own thread and all threads agreed on the outcome.
+One save at a time: the next save, a load and the end of training ``wait()`` for the one
+in flight. A failed write (the same one line on every rank, [Note: a failed write is one
+line]) is never lost: ``poll()`` hands its line out once, at the next training step, and
+``wait()`` raises it at the next save, load or end of fit, on every rank at the same point.
 """
 
 from __future__ import annotations
@@ -40,16 +38,15 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.checkpoint.atomic import failure_lines
-from lightning_yafsdp.checkpoint.trees import map_leaves
+from lightning_yafsdp.checkpoint.gather import map_leaves, world_info
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
 def stage(tree: Any) -> Any:
-    """A copy of a checkpoint tree that later changes to the model cannot reach.
+    """A CPU copy of a checkpoint tree that later changes to the model cannot reach.
 
-    ``RangeShardedTensor``s keep their placement over a CPU copy of their piece (no
-    process group: nothing collective runs on a staged copy); tensors are copied to
-    CPU; other leaves are deep-copied.
+    ``RangeShardedTensor``s keep their placement and lose their process group: nothing
+    collective runs on a staged copy.
     """
 
     def copied(_: Any, value: Any) -> Any:
@@ -67,9 +64,8 @@ class BackgroundSaver:
     """Runs one checkpoint write at a time in a worker thread (see the Note).
 
     Args:
-        group: the ranks that save together (the engine's world group). A gloo
-            group over the same ranks is created here: collective, every rank
-            constructs its saver at the same point.
+        group: the ranks that save together. A gloo group over the same ranks is created
+            here: collective, every rank constructs its saver at the same point.
     """
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
@@ -87,7 +83,7 @@ class BackgroundSaver:
         return self._path if self._in_flight is not None else None
 
     def submit(self, path: Path, write: Callable[[dist.ProcessGroup], None]) -> None:
-        """Run ``write(group)`` in the worker; the previous save is waited for first."""
+        """Run ``write(group)`` in the worker once the previous save is done."""
         self.wait()
         self._path = Path(path)
         self._in_flight = self._executor.submit(write, self.group)
@@ -102,12 +98,8 @@ class BackgroundSaver:
         return _one_line(self._failure)
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; raise a failed write's error once.
-
-        Raises:
-            CheckpointSaveError: the background write failed (the previous checkpoint at
-                its path is intact).
-        """
+        """Block until the save in flight is committed; raise a failed write's error once
+        (``CheckpointSaveError``; the previous checkpoint at its path is intact)."""
         if self._in_flight is not None:
             self._collect()
         if self._failure is not None:
@@ -133,6 +125,6 @@ class BackgroundSaver:
 
 
 def _one_line(failure: BaseException) -> str:
-    lines = failure_lines(failure, dist.get_rank() if dist.is_initialized() else 0)
+    lines = failure_lines(failure, world_info()[0])
     detail = lines[0][1] if lines else type(failure).__name__
     return f"a background checkpoint save failed: {detail}"

@@ -1,49 +1,44 @@
 """Consolidate and inspect checkpoints in ONE process, no process group needed.
 
-``consolidate_checkpoint`` turns a sharded directory into the dict Lightning's
-consolidation utility produces (``"model"``, ``"optimizer_<i>"``, plus
-``meta.pt``'s contents); ``inspect_checkpoint`` reports what a checkpoint is without
-reading its tensors. Exports (safetensors, Hugging Face) are ``lightning_yafsdp.export``.
+``consolidate_checkpoint`` reads a sharded directory into the dict Lightning's
+consolidation utility produces (``"model"``, ``"optimizer_<i>"``, plus ``meta.pt``'s
+contents) the way it and torch's ``dcp_to_torch_save`` do: DCP's
+``_EmptyStateDictLoadPlanner``, which builds full-shape targets from ``.metadata``.
+``inspect_checkpoint`` says what a checkpoint is without reading its tensors. Exports
+(safetensors, Hugging Face) are ``lightning_yafsdp.export``.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import NotACheckpointError
-from lightning_yafsdp.checkpoint.full import split_full_checkpoint
+from lightning_yafsdp.checkpoint.full import read_file, split_full_checkpoint
 from lightning_yafsdp.checkpoint.sharded import (
     FORMAT_KEY,
-    META_FILENAME,
     MODEL_KEY,
+    MODEL_PARALLEL_MODEL_KEY,
     CheckpointLayout,
     is_sharded_checkpoint,
+    read_meta,
 )
-from lightning_yafsdp.checkpoint.verify import (
-    describe_non_checkpoint,
-    verified_checks,
-    verify_checkpoint,
-)
+from lightning_yafsdp.checkpoint.verify import describe_non_checkpoint, verify_checkpoint
 
 
 def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = False) -> dict:
-    """Read a whole sharded checkpoint into one dict of full tensors (one process).
+    """Read a whole checkpoint into one dict of full tensors (one process, all in CPU memory).
 
-    The dict is the one ``lightning.fabric.utilities.load._load_distributed_checkpoint``
-    builds: ``{"model": {name: tensor}, "optimizer_0": {...}, **meta.pt}``. With
-    ``weights_only`` only the weights are read. A single-file checkpoint is returned
-    as loaded. Needs the whole model in CPU memory. One ``dcp.load`` with DCP's default
-    planner into full-shape targets, as ``dcp_to_torch_save`` does.
+    A sharded directory gives ``{"model": {name: tensor}, "optimizer_0": {...}, **meta.pt}``
+    (with ``weights_only``, the model entry alone); a single file is returned as loaded.
 
     Raises:
         DamagedCheckpointError: a file is missing or truncated (checked before reading).
@@ -54,24 +49,14 @@ def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = Fals
     # upgrade, a hand edit) must still load; `yafsdp inspect --verify` compares CRCs.
     verify_checkpoint(path)
     if path.is_file():
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        return read_file(path)
     if not is_sharded_checkpoint(path):
         raise NotACheckpointError(describe_non_checkpoint(path))
-    layout = CheckpointLayout(FileSystemReader(path).read_metadata())
-    keys = [layout.model_key] if weights_only else sorted(layout.top_level, key=str)
-    checkpoint = {key: layout.read_targets(key, _full_target) for key in keys}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(checkpoint, storage_reader=FileSystemReader(path), no_dist=True)
-    if not weights_only and (path / META_FILENAME).is_file():
-        checkpoint.update(torch.load(path / META_FILENAME, map_location="cpu", weights_only=False))
-    return checkpoint
-
-
-def _full_target(_: tuple, md: Any) -> torch.Tensor | None:
-    if isinstance(md, BytesStorageMetadata):
-        return None  # a pickled object: DCP puts it in place
-    return torch.empty(md.size, dtype=md.properties.dtype)
+    checkpoint: dict[str, Any] = {}
+    keys = {MODEL_KEY, MODEL_PARALLEL_MODEL_KEY} if weights_only else None
+    planner = _EmptyStateDictLoadPlanner(keys=keys)  # fills ``checkpoint`` in place
+    _load_state_dict(checkpoint, FileSystemReader(path), planner=planner, no_dist=True)
+    return checkpoint if weights_only else {**checkpoint, **read_meta(path)}
 
 
 def consolidated_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -87,142 +72,55 @@ def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> d
 
     Args:
         path: a sharded checkpoint directory or a single-file checkpoint.
-        checksums: also compare every file with the CRC-32 recorded at save (reads
-            every byte); default False checks sizes and structure only.
+        checksums: also compare every file with the CRC-32 recorded at save (reads every
+            byte); default False checks sizes and structure only.
 
     Returns:
-        ``path``, ``kind`` ("sharded" or "full"), ``step`` (Lightning's
-        ``global_step``, else an ``extra["step"]``; None if neither), ``epoch``,
-        ``world_size`` (ranks that wrote it; None for foreign full files),
-        ``parameter_count`` (elements of the unique trainable parameters, or of
-        every floating tensor in the weights when unknown), ``num_tensors``,
-        ``tensor_names`` (weights), ``num_optimizers``, ``size_bytes`` (on disk),
-        ``verified`` (what ``verify_checkpoint`` checked).
-
-    Raises:
-        DamagedCheckpointError: a file is missing or truncated (one line naming it).
+        ``path``, ``kind`` ("sharded" or "full"), ``step`` (Lightning's ``global_step``,
+        else an ``extra["step"]``), ``epoch``, ``world_size`` and ``shard_size`` (None for
+        foreign files), ``parameter_count`` (of the sharded parameters, or every floating
+        weight when unknown), ``num_tensors``, ``tensor_names`` (weights),
+        ``num_optimizers``, ``size_bytes`` (on disk), ``verified`` (what was checked).
     """
     path = Path(path)
-    verified = verified_checks(path, checksums=checksums)
+    verified = verify_checkpoint(path, checksums=checksums)
     if path.is_file():
-        return {**_inspect_file(path), "verified": verified}
-    if not is_sharded_checkpoint(path):
-        raise NotACheckpointError(describe_non_checkpoint(path))
-    metadata = FileSystemReader(path).read_metadata()
-    paths = metadata.planner_data or {}
-    meta = (
-        torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
-        if (path / META_FILENAME).is_file()
-        else {}
-    )
+        meta, shapes, counted, num_optimizers = _file_contents(path)
+        size = path.stat().st_size
+    else:
+        meta, (shapes, counted, num_optimizers) = read_meta(path), _directory_contents(path)
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
     info = meta.get(FORMAT_KEY, {})
-    model = {
-        fqn: md
-        for fqn, md in metadata.state_dict_metadata.items()
-        if paths.get(fqn, (fqn,))[0] == MODEL_KEY and not isinstance(md, BytesStorageMetadata)
-    }
-    writers = {p.name.split("_")[2] for p in path.glob("__*_*.distcp")}
-    optimizers = {paths[fqn][0] for fqn in paths if str(paths[fqn][0]).startswith("optimizer_")}
+    steps = [meta[key] for key in ("global_step", "step") if isinstance(meta.get(key), int)]
     return {
         "path": str(path),
-        "kind": "sharded",
-        "step": _step_of(meta),
+        "kind": "full" if path.is_file() else "sharded",
+        "step": steps[0] if steps else None,
         "epoch": meta.get("epoch"),
-        "world_size": info.get("world_size", len(writers) or None),
+        "world_size": info.get("world_size"),
         "shard_size": info.get("shard_size"),
-        "parameter_count": info.get(
-            "parameter_count",
-            sum(md.size.numel() for md in model.values() if md.properties.dtype.is_floating_point),
-        ),
-        "num_tensors": len(model),
-        "tensor_names": sorted(model),
-        "num_optimizers": info.get("num_optimizers", len(optimizers)),
-        "size_bytes": sum(p.stat().st_size for p in path.rglob("*") if p.is_file()),
+        "parameter_count": info.get("parameter_count", counted),
+        "num_tensors": len(shapes),
+        "tensor_names": sorted(shapes),
+        "num_optimizers": info.get("num_optimizers", num_optimizers),
+        "size_bytes": size,
         "verified": verified,
     }
 
 
-def _writers(info: Mapping[str, Any]) -> str:
-    world, shard = info.get("world_size"), info.get("shard_size")
-    if not world:
-        return "-"
-    if shard and shard < world:  # [Note: hybrid sharding]
-        return f"{world} rank(s): {world // shard} replicas x {shard} sharded ranks"
-    return f"{world} rank(s)"
+def _directory_contents(path: Path) -> tuple[dict[str, torch.Size], int, int]:
+    """``({weight name: shape}, floating elements, optimizer count)`` from ``.metadata``."""
+    layout = CheckpointLayout(FileSystemReader(path).read_metadata())
+    floating = [md for md in layout.model.values() if md.properties.dtype.is_floating_point]
+    counted = sum(md.size.numel() for md in floating)
+    return layout.model_shapes, counted, layout.num_optimizers
 
 
-def render_inspection(info: Mapping[str, Any]):
-    """A ``rich.table.Table`` of ``inspect_checkpoint``'s result (print it with a Console)."""
-    from rich.table import Table
-
-    table = Table(title=f"checkpoint {info['path']}", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
-    rows = [
-        ("format", info["kind"]),
-        ("step", _or_dash(info.get("step"))),
-        ("epoch", _or_dash(info.get("epoch"))),
-        ("written by", _writers(info)),
-        ("parameters", f"{info['parameter_count']:,}"),
-        ("tensors (weights)", f"{info['num_tensors']:,}"),
-        ("optimizers", str(info["num_optimizers"])),
-        ("size on disk", _human_bytes(info["size_bytes"])),
-        ("verified", info.get("verified", "-")),
-    ]
-    for field, value in rows:
-        table.add_row(field, value)
-    return table
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-
-def _inspect_file(path: Path) -> dict[str, Any]:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    except Exception as exc:
-        raise NotACheckpointError(
-            f"{str(path)!r} is not a checkpoint torch.load can read ({type(exc).__name__}: {exc})"
-        ) from exc
-    model, optimizers, rest = split_full_checkpoint(checkpoint)
-    info = rest.get(FORMAT_KEY, {})
-    return {
-        "path": str(path),
-        "kind": "full",
-        "step": _step_of(rest),
-        "epoch": rest.get("epoch"),
-        "world_size": info.get("world_size"),
-        "shard_size": info.get("shard_size"),
-        "parameter_count": info.get(
-            "parameter_count",
-            sum(
-                t.numel()
-                for t in {v.untyped_storage().data_ptr(): v for v in model.values()}.values()
-                if isinstance(t, torch.Tensor) and t.is_floating_point()
-            ),
-        ),
-        "num_tensors": len(model),
-        "tensor_names": sorted(model),
-        "num_optimizers": len(optimizers),
-        "size_bytes": path.stat().st_size,
-    }
-
-
-def _step_of(meta: Mapping[str, Any]) -> int | None:
-    for key in ("global_step", "step"):
-        if isinstance(meta.get(key), int):
-            return meta[key]
-    return None
-
-
-def _or_dash(value: Any) -> str:
-    return "-" if value is None else str(value)
-
-
-def _human_bytes(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{size} B"
+def _file_contents(path: Path) -> tuple[Mapping[str, Any], dict[str, torch.Size], int, int]:
+    """``(the rest, {weight name: shape}, floating elements, optimizer count)`` of a file."""
+    model, optimizers, rest = split_full_checkpoint(read_file(path))
+    tensors = {n: v for n, v in model.items() if isinstance(v, torch.Tensor)}
+    # Tied weights are one tensor under two names: counted once.
+    unique = {v.untyped_storage().data_ptr(): v for v in tensors.values()}.values()
+    counted = sum(v.numel() for v in unique if v.is_floating_point())
+    return rest, {n: v.shape for n, v in tensors.items()}, counted, len(optimizers)

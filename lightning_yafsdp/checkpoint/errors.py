@@ -30,3 +30,9 @@ def name_list(names, limit: int = 10) -> str:
     if len(names) > limit:
         shown += f" and {len(names) - limit} more"
     return shown
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message (its type's name when it has none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__

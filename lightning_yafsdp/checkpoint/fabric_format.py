@@ -2,7 +2,7 @@
 
 [Note: one checkpoint format for Fabric and the Trainer]
 A Fabric state is a dict the user names, ``{"model": model, "optimizer": opt, "step": 3}``.
-A sharded save is laid out as the Trainer's (``lightning_format.py``): the sharded
+A sharded save is laid out as the Trainer's (``api.py``): the sharded
 module's weights as the model entry, the optimizers' states in the order they appear,
 every other entry in ``meta.pt``. A full file keeps Fabric's own layout, each entry under
 the user's key (``torch.load(f)["model"]``, as Fabric's other strategies and litgpt's
@@ -32,24 +32,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_yafsdp.checkpoint.api import load_checkpoint
 from lightning_yafsdp.checkpoint.background import BackgroundSaver
-from lightning_yafsdp.checkpoint.entries import StateDictType, model_entry, optimizer_entry
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
 from lightning_yafsdp.checkpoint.full import (
     FABRIC_KEYS,
     OPTIMIZER_STATES_KEY,
     STATE_DICT_KEY,
-    load_full,
+    read_file,
     save_full,
     split_full_checkpoint,
 )
-from lightning_yafsdp.checkpoint.lightning_format import load_lightning_checkpoint
-from lightning_yafsdp.checkpoint.sharded import (
-    FORMAT_KEY,
-    META_FILENAME,
-    load_sharded,
-    save_sharded,
-)
+from lightning_yafsdp.checkpoint.optimizer_state import optimizer_entry
+from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, read_meta, save_sharded
+from lightning_yafsdp.checkpoint.state import StateDictType, model_entry
 from lightning_yafsdp.core import YaFSDPEngine
 
 _RESERVED = (STATE_DICT_KEY, OPTIMIZER_STATES_KEY, FABRIC_KEYS, FORMAT_KEY)
@@ -72,43 +68,30 @@ def save_fabric_checkpoint(
     filter = dict(filter or {})
     module_key, module, engine = sharded_module_in(state, action="save")
     checkpoint: dict[str, Any] = {}
-    optimizer_keys = []
-    optimizer_states = []
+    optimizers: dict[str, Any] = {}
     for key, obj in state.items():
-        _refuse_reserved(key)
-        if key == module_key:
-            continue
+        if key in _RESERVED:
+            raise ValueError(
+                f"fabric.save: the state key {key!r} is taken by the checkpoint format; rename it"
+            )
         if isinstance(obj, torch.optim.Optimizer):
             if key in filter:
                 raise ValueError(
                     f"fabric.save(filter={{{key!r}: ...}}) filters an optimizer; a part of an "
                     "optimizer's state cannot be loaded back. Filter the model's entries only"
                 )
-            optimizer_keys.append(key)
-            optimizer_states.append(optimizer_entry(engine, obj, state_dict_type))
-        else:
+            optimizers[key] = optimizer_entry(engine, obj, state_dict_type)
+        elif key != module_key:
             value = obj.state_dict() if _is_stateful(obj) else obj
             checkpoint[key] = _filtered(key, value, filter)
-    names = {"module": module_key, "optimizers": optimizer_keys, "entries": list(checkpoint)}
+    names = {"module": module_key, "optimizers": list(optimizers), "entries": list(checkpoint)}
     model_state = _filtered(module_key, model_entry(engine, module, state_dict_type), filter)
+    states = dict(model_state=model_state, optimizer_states=list(optimizers.values()))
     if state_dict_type == "full":
-        save_full(
-            path,
-            engine,
-            extra=checkpoint,
-            model_state=model_state,
-            optimizer_states=optimizer_states,
-            fabric_keys=names,
-        )
+        save_full(path, engine, extra=checkpoint, fabric_keys=names, **states)
     else:
-        save_sharded(
-            path,
-            engine,
-            extra={**checkpoint, FABRIC_KEYS: names},
-            model_state=model_state,
-            optimizer_states=optimizer_states,
-            background=background,
-        )
+        extra = {**checkpoint, FABRIC_KEYS: names}
+        save_sharded(path, engine, extra=extra, background=background, **states)
 
 
 def load_fabric_checkpoint(
@@ -120,9 +103,8 @@ def load_fabric_checkpoint(
 ) -> dict[str, Any]:
     """Restore ``state`` in place from a Fabric or Trainer checkpoint; return what is left.
 
-    Collective. Checked before anything is loaded: the optimizers given match the
-    saved ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint;
-    with ``verify_checksums`` (default) every file matches its checksums.
+    Collective. Checked before anything is loaded: the optimizers given match the saved
+    ones, and (with ``strict``) every other entry of ``state`` is in the checkpoint.
     """
     module_key, _, engine = sharded_module_in(state, action="load")
     given = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
@@ -141,9 +123,9 @@ def load_fabric_checkpoint(
                 f"the loaded checkpoint {str(path)!r}. To disable strict loading, set "
                 "`strict=False`."
             )
-    rest = load_lightning_checkpoint(
+    rest = load_checkpoint(
         path,
-        engine=engine,
+        engine,
         optimizers=list(optimizers.values()),
         strict=strict,
         expected={"module": module_key, "optimizers": list(optimizers)},
@@ -168,10 +150,7 @@ def load_raw_into(
             "with its model: fabric.load(path, {'model': model, 'optimizer': optimizer})"
         )
     engine = engine_of(obj, action="load_raw")
-    if Path(path).is_dir():
-        load_sharded(path, engine, strict=strict, verify_checksums=verify_checksums)
-    else:
-        load_full(path, engine, strict=strict, verify_checksums=verify_checksums)
+    load_checkpoint(path, engine, strict=strict, verify_checksums=verify_checksums)
 
 
 def check_trainer_can_resume(extras: Mapping[str, Any] | None, *, num_schedulers: int) -> None:
@@ -190,16 +169,23 @@ def check_trainer_can_resume(extras: Mapping[str, Any] | None, *, num_schedulers
     )
 
 
-def as_trainer_checkpoint(rest: dict[str, Any], *, lightning_version: str) -> dict[str, Any]:
-    """What the Trainer restores from a Fabric checkpoint (``rest`` of the load).
+def as_trainer_checkpoint(checkpoint: Any, *, lightning_version: str) -> Any:
+    """A checkpoint written by ``fabric.save`` as the Trainer and ``load_from_checkpoint``
+    read one (any other checkpoint unchanged).
 
-    A Fabric loop has no Trainer loops or scheduler list: the weights and optimizer
-    states are restored (by position), the loop counters start at 0, and the user's
-    own entries stay in the dict for ``LightningModule.on_load_checkpoint``.
+    A Fabric loop records no Lightning version, Trainer loops or scheduler list: the
+    loop counters start at 0, the user's own entries stay in the dict for
+    ``LightningModule.on_load_checkpoint``, and a full file's weights, under the user's
+    key, are also its ``"state_dict"``.
     """
-    checkpoint = dict(rest)
+    if not isinstance(checkpoint, dict) or FABRIC_KEYS not in checkpoint:
+        return checkpoint
+    checkpoint = dict(checkpoint)
     checkpoint.setdefault("pytorch-lightning_version", lightning_version)
     checkpoint.setdefault("lr_schedulers", [])
+    module_key = checkpoint[FABRIC_KEYS].get("module")
+    if STATE_DICT_KEY not in checkpoint and module_key in checkpoint:
+        checkpoint[STATE_DICT_KEY] = checkpoint[module_key]
     return checkpoint
 
 
@@ -212,6 +198,7 @@ def fabric_entries(checkpoint: Mapping[str, Any]) -> list[str]:
 
 
 def engine_of(obj: Any, *, action: str) -> YaFSDPEngine:
+    """The engine of a module set up under ``strategy='yafsdp'``."""
     engine = obj.__dict__.get("_yafsdp_engine") if isinstance(obj, nn.Module) else None
     if engine is None:
         raise ValueError(
@@ -274,9 +261,8 @@ def read_checkpoint_extras(
     path = Path(path)
     try:
         if path.is_dir():
-            return torch.load(path / META_FILENAME, map_location="cpu", weights_only=False)
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        return split_full_checkpoint(checkpoint, expected)[2]
+            return read_meta(path)
+        return split_full_checkpoint(read_file(path), expected)[2]
     except Exception:  # noqa: BLE001 - see above
         return None
 
@@ -302,10 +288,3 @@ def _filtered(key: str, value: Any, filter: Filter) -> Any:
     if key not in filter or not isinstance(value, Mapping):
         return value
     return {k: v for k, v in value.items() if filter[key](k, v)}
-
-
-def _refuse_reserved(key: str) -> None:
-    if key in _RESERVED:
-        raise ValueError(
-            f"fabric.save: the state key {key!r} is taken by the checkpoint format; rename it"
-        )

@@ -1,4 +1,11 @@
-"""Full tensors from sharded leaves: one checkpoint tree in, the same tree with full tensors out.
+"""Sharded values anywhere in a checkpoint dict: walk the tree, count them, gather them.
+
+A Lightning checkpoint is a tree of dicts, lists and tuples built by many hands
+(``"state_dict"``, ``"optimizer_states"``, whatever callbacks add: ``WeightAveraging``
+moves our weights to ``"current_model_state"``). Every ``RangeShardedTensor`` in it holds
+only this rank's elements, so it must be written sharded or gathered: pickling one would
+keep rank 0's piece and lose the rest without a word. The walk has a fixed order, the
+same on every rank for the same tree, so collective steps pair leaves by position.
 
 [Note: ragged gather of element ranges]
 Every ``RangeShardedTensor`` holds elements ``[start, end)`` of its flattened full
@@ -14,15 +21,66 @@ what it keeps. Tied aliases (the same piece under two paths) are gathered once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
-from lightning_yafsdp.checkpoint.trees import describe_path, map_leaves, sharded_leaves
 from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into, all_gather_objects
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
+
+Path = tuple[Any, ...]  # keys and list positions from the root to a leaf
+
+
+def map_leaves(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
+    """``tree`` with every non-container leaf ``x`` at ``path`` replaced by ``fn(path, x)``.
+
+    A container is rebuilt only if one of its leaves changed (named tuples keep their type).
+    """
+    if isinstance(tree, dict):
+        mapped = {k: map_leaves(v, fn, (*path, k)) for k, v in tree.items()}
+        return tree if all(mapped[k] is tree[k] for k in tree) else mapped
+    if isinstance(tree, (list, tuple)):
+        items = [map_leaves(v, fn, (*path, i)) for i, v in enumerate(tree)]
+        if all(a is b for a, b in zip(items, tree, strict=True)):
+            return tree
+        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
+    return fn(path, tree)
+
+
+def sharded_leaves(tree: Any) -> list[tuple[Path, RangeShardedTensor]]:
+    """Every ``RangeShardedTensor`` in ``tree`` with its path, in tree order."""
+    found: list[tuple[Path, Any]] = []
+    map_leaves(tree, lambda path, v: found.append((path, v)) if _is_sharded(v) else None)
+    return found
+
+
+def describe_path(path: Path) -> str:
+    return "".join(f"[{p!r}]" for p in path) or "<root>"
+
+
+def tensor_bytes(tree: Any, *, whole: bool = True) -> int:
+    """Bytes of this rank's sharded pieces in ``tree``, plus its other tensors if ``whole``.
+
+    For the message of a failed save ([Note: a failed write is one line]).
+    """
+    total = 0
+
+    def count(_: Path, value: Any) -> None:
+        nonlocal total
+        if _is_sharded(value):
+            total += value._local.nbytes
+        elif isinstance(value, torch.Tensor) and whole:
+            total += value.nbytes
+
+    map_leaves(tree, count)
+    return total
+
+
+def _is_sharded(value: Any) -> bool:
+    return isinstance(value, RangeShardedTensor)
 
 
 def world_info(group=None) -> tuple[int, int]:
@@ -36,8 +94,8 @@ def world_info(group=None) -> tuple[int, int]:
 def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = True) -> Any:
     """``tree`` with every sharded leaf replaced by its full tensor (see the note above).
 
-    Collective over ``group``: every rank calls it with a tree of the same structure.
-    With ``rank0_only`` (default) the other ranks get ``None`` leaves.
+    Collective over ``group``. With ``rank0_only`` (default) other ranks get ``None``
+    leaves; with ``cpu`` every tensor of the kept result is on the CPU.
 
     Raises:
         CheckpointMismatchError: on every rank, if the ranks' trees differ or a leaf's
@@ -57,11 +115,15 @@ def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = T
             pieces = [(theirs[position][3], theirs[position][4]) for theirs in everyone]
             _check_tiling(path, value.shape, pieces)
             full = _gather_one(value, pieces, group=group, world=world)
-            by_identity[identity] = (full.cpu() if cpu else full) if keep else None
+            by_identity[identity] = full if keep else None
         results[path] = by_identity[identity]
-    return map_leaves(
-        tree, lambda path, v: results[path] if isinstance(v, RangeShardedTensor) else v
-    )
+
+    def full_leaf(path, value):
+        if isinstance(value, RangeShardedTensor):
+            value = results[path]
+        return value.detach().cpu() if cpu and keep and isinstance(value, torch.Tensor) else value
+
+    return map_leaves(tree, full_leaf)
 
 
 def _range(value: RangeShardedTensor) -> tuple[int, int]:
@@ -88,16 +150,16 @@ def _gather_one(value: RangeShardedTensor, pieces: list, *, group, world: int) -
 
 
 def _check_same_tree(everyone: list[list[tuple]]) -> None:
-    reference = {p: (s, d) for p, s, d, *_ in everyone[0]}
+    reference = [(p, s, d) for p, s, d, *_ in everyone[0]]
     for rank, theirs in enumerate(everyone):
-        if [(p, s, d) for p, s, d, *_ in theirs] == [(p, s, d) for p, s, d, *_ in everyone[0]]:
+        if [(p, s, d) for p, s, d, *_ in theirs] == reference:
             continue
-        other = {p: (s, d) for p, s, d, *_ in theirs}
-        only_0 = ", ".join(describe_path(p) for p in reference if p not in other) or "none"
-        only_r = ", ".join(describe_path(p) for p in other if p not in reference) or "none"
+        only_0 = {p for p, *_ in reference} - {p for p, *_ in theirs}
+        only_r = {p for p, *_ in theirs} - {p for p, *_ in reference}
         raise CheckpointMismatchError(
             f"the checkpoint dict holds different sharded tensors on rank 0 and rank {rank} "
-            f"(only on rank 0: {only_0}; only on rank {rank}: {only_r}; or other shapes, "
+            f"(only on rank 0: {', '.join(map(describe_path, only_0)) or 'none'}; only on "
+            f"rank {rank}: {', '.join(map(describe_path, only_r)) or 'none'}; or other shapes, "
             "dtypes or order); every rank must build the same checkpoint (e.g. an "
             "on_save_checkpoint or state_dict() override must not depend on the rank)"
         )

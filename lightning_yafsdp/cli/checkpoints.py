@@ -152,7 +152,7 @@ def run_inspect(options: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from lightning_yafsdp.checkpoint import CheckpointError, inspect_checkpoint, render_inspection
+    from lightning_yafsdp.checkpoint import CheckpointError, inspect_checkpoint
 
     try:
         info = inspect_checkpoint(options.checkpoint, checksums=options.verify)
@@ -164,6 +164,37 @@ def run_inspect(options: argparse.Namespace) -> int:
     else:
         Console().print(render_inspection(info))
     return 0
+
+
+def render_inspection(info: dict[str, Any]):
+    """A ``rich.table.Table`` of ``inspect_checkpoint``'s result (print it with a Console)."""
+    from rich.table import Table
+
+    world, shard = info.get("world_size"), info.get("shard_size")
+    writers = f"{world} rank(s)" if world else "-"
+    if world and shard and shard < world:  # [Note: hybrid sharding]
+        writers += f": {world // shard} replicas x {shard} sharded ranks"
+    size, unit = float(info["size_bytes"]), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            break
+        size /= 1024
+    table = Table(title=f"checkpoint {info['path']}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for field, value in (
+        ("format", info["kind"]),
+        ("step", info.get("step")),
+        ("epoch", info.get("epoch")),
+        ("written by", writers),
+        ("parameters", f"{info['parameter_count']:,}"),
+        ("tensors (weights)", f"{info['num_tensors']:,}"),
+        ("optimizers", info["num_optimizers"]),
+        ("size on disk", f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"),
+        ("verified", info.get("verified")),
+    ):
+        table.add_row(field, "-" if value is None else str(value))
+    return table
 
 
 def _default_prefix(info: dict) -> str:

@@ -59,13 +59,13 @@ from lightning_yafsdp.adapters.sharding import (
     refuse_optimizers_with_state,
     shard_module,
 )
-from lightning_yafsdp.checkpoint.entries import StateDictType
 from lightning_yafsdp.checkpoint.fabric_format import (
     engine_of,
     load_fabric_checkpoint,
     load_raw_into,
     save_fabric_checkpoint,
 )
+from lightning_yafsdp.checkpoint.state import StateDictType
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.plan.meta_build import meta_device
 from lightning_yafsdp.fabric.precision import YaFSDPPrecision, to_fabric_precision
