@@ -263,7 +263,8 @@ def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype
     full = torch.ones(world, dtype=dtype, device=device)
     out = torch.empty(1, dtype=dtype, device=device)
     try:
-        _issue(_reduce_scatter_single, out, out, full, op=ReduceOp.SUM, group=group, async_op=False)
+        # The engine's own reduce (gloo: an all_reduce, [Note: gloo reduces with all_reduce]).
+        reduce_scatter_into(out, full, group, async_op=False, stats=CommStats())
         if mesh.replicate_group is not None:
             _issue(
                 dist.all_reduce, out, out, op=ReduceOp.SUM, group=mesh.replicate_group,
