@@ -233,3 +233,26 @@ def test_a_hugging_face_model_with_its_own_checkpointing_trains_like_ddp_when_gr
         weights, where = weights_error(run["yafsdp"], run["ddp"])
         assert weights <= _PARITY_RTOL, f"rank {rank}: {where} off by {weights:.3g}"
     assert "model.model.layers.0-1" in runs[0]["yafsdp"]["units"], runs[0]["yafsdp"]["units"]
+
+
+def _checkpointed_by_class() -> list[int]:
+    from lightning_yafsdp.core import shard_model
+    from lightning_yafsdp.models.llama import TransformerBlock
+
+    torch.manual_seed(0)
+    model = _small_llama(4)
+    shard_model(model, blocks_per_unit=2, activation_checkpointing=TransformerBlock)
+    calls = [0] * len(model.layers)
+    for index, layer in enumerate(model.layers):
+        layer.attention.register_forward_pre_hook(
+            lambda *_, index=index: calls.__setitem__(index, calls[index] + 1)
+        )
+    _loss(model, {"tokens": torch.randint(0, 64, (2, 9))}).backward()
+    return calls
+
+
+def test_checkpointing_named_by_block_class_selects_units_of_grouped_blocks():
+    """FSDPStrategy's form, ``activation_checkpointing=TransformerBlock``: a unit named
+    ``layers.0-1`` is no module path, so the class is matched on the unit's blocks."""
+    (calls,) = dist_run(1, _checkpointed_by_class, timeout_s=120)
+    assert calls == [2, 2, 2, 2]

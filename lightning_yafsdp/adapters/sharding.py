@@ -10,7 +10,7 @@ before they were sharded.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ def shard_module(
         reduce_dtype=options.reduce_dtype,
         master_dtype=precision.master_dtype,
         zero_stage=options.zero_stage,
-        activation_checkpointing=_checkpoint_spec(module, options.activation_checkpointing),
+        activation_checkpointing=options.activation_checkpointing,
         # As DDP: a model built with real tensors starts from rank 0's weights and
         # buffers on every rank, seeded alike or not. A meta-built model needs no
         # broadcast: it is initialized from a seed broadcast from rank 0 ([Note: init seed]).
@@ -99,17 +99,6 @@ def place_module(module: nn.Module, engine: YaFSDPEngine, device: torch.device) 
             "moving it would detach the shards from the engine"
         )
     module.to(device)
-
-
-def _checkpoint_spec(module: nn.Module, spec: Any) -> Any:
-    """Also accept FSDPStrategy's form: a block class or a list of classes."""
-    is_class_list = (
-        isinstance(spec, (list, tuple)) and spec and all(isinstance(c, type) for c in spec)
-    )
-    if not (isinstance(spec, type) or is_class_list):
-        return spec
-    classes = tuple(spec) if is_class_list else (spec,)
-    return lambda index, name: isinstance(module.get_submodule(name), classes)
 
 
 ParameterNames = dict[int, str]

@@ -114,6 +114,8 @@ def global_grad_norm(trainer: pl.Trainer, pl_module: pl.LightningModule) -> floa
 def _units(trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[tuple[str, nn.Module]]:
     engine = getattr(trainer.strategy, "_engine", None)
     if engine is not None:
-        return [(unit.name, unit.module) for unit in engine.units]
+        # Every block of a unit of grouped blocks by its own name ([Note: grouped blocks]).
+        names = {id(m): name for name, m in engine.root.named_modules()}
+        return [(names.get(id(m), unit.name), m) for unit in engine.units for m in unit.modules]
     model = getattr(pl_module, "model", pl_module)
     return find_units(model)

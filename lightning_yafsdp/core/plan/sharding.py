@@ -50,7 +50,9 @@ from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 NORM_GROUP = "<norms>"
 ROOT_GROUP = "<root>"
-CheckpointSpec = None | str | Sequence[int] | Callable[[int, str], bool]
+CheckpointSpec = (
+    None | str | Sequence[int] | type | Sequence[type] | Callable[[int, str], bool]
+)
 
 
 def shard_model(
@@ -109,9 +111,11 @@ def shard_model(
         zero_stage: 3 (re-gather weights in backward; two weight buffers) or
             2 (keep each unit's gathered weights from forward to backward; one
             weight buffer per unit).
-        activation_checkpointing: None; "all"; unit indices; or a predicate
-            ``(index, name) -> bool`` selecting units whose forward runs under
-            non-reentrant activation checkpointing.
+        activation_checkpointing: None; "all"; unit indices; a block class or a list of
+            classes; or a predicate ``(index, name) -> bool`` selecting units whose
+            forward runs under non-reentrant activation checkpointing (indices and names
+            are those of units: a unit of grouped blocks counts once, named
+            ``layers.0-1``, and recomputes block by block).
         sync_module_states: broadcast each group, and then every buffer (frozen
             parameters included), from rank 0 before sharding, as DDP does.
         cast_forward_inputs: cast floating unit inputs to ``param_dtype``.
@@ -812,6 +816,10 @@ def _module_path_prefixes(param_name: str) -> list[str]:
     return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
+def _is_class_list(spec: Any) -> bool:
+    return isinstance(spec, (list, tuple)) and bool(spec) and all(isinstance(c, type) for c in spec)
+
+
 def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) -> None:
     if spec is None:
         return
@@ -819,6 +827,11 @@ def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) 
     blocks = engine.blocks()
     if spec == "all":
         chosen = blocks
+    elif isinstance(spec, type) or _is_class_list(spec):
+        # A block class (FSDPStrategy's form): the units whose blocks are all of it, a
+        # unit of grouped blocks included ([Note: grouped blocks]).
+        classes = (spec,) if isinstance(spec, type) else tuple(spec)
+        chosen = [u for u in blocks if all(isinstance(m, classes) for m in u.modules)]
     elif callable(spec):
         chosen = [u for i, u in enumerate(blocks) if spec(i, u.name)]
     elif isinstance(spec, (list, tuple, range)):
