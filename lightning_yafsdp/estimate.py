@@ -17,8 +17,10 @@ backward: an approximation, to be compared with measurements (benchmarks).
   optimizer       = 2 x master shards (AdamW exp_avg, exp_avg_sq)
   weight buffers  = per slot (2 in ZeRO-3, one per unit in ZeRO-2) the largest
                     (padded + frozen padded) of the units using it, x P
-  grad buffers    = per slot (2) the largest (padded + shard) of its units, x R
-  resident groups = per group (resident root remainder, norms): padded x P + (padded + shard) x R
+  grad buffers    = per slot (2) the largest padded of its units, x R (reductions write
+                    the gradient window, or stage in the buffer: [Note: reduce into the
+                    gradient window])
+  resident groups = per group (resident root remainder, norms): padded x (P + R)
 Units are the blocks and the root units (embeddings, head: [Note: root units]).
 Communication per micro-batch (bytes of the gathered/unreduced tensor, as
 ``engine.comm_stats`` counts them; a ring moves (W-1)/W of that per rank):
@@ -391,10 +393,10 @@ def _state_bytes(est: Estimate, zero_stage: int) -> None:
     slots = buffer_sizes(est.schedule, zero_stage)
     est.gather_staging = sum(slots.staging) * p if p != m else 0
     est.weight_buffers = sum(slots.weights) * p
-    est.grad_buffers = (sum(slots.grads) + sum(slots.grad_shards)) * r
-    est.resident_buffers = sum(
-        g.padded_numel * p + (g.padded_numel + g.shard_numel) * r for g in residents
-    )
+    # [Note: reduce into the gradient window] no reduced-shard twin: reductions write the
+    # window, or stage in the grad buffer itself.
+    est.grad_buffers = sum(slots.grads) * r
+    est.resident_buffers = sum(g.padded_numel * (p + r) for g in residents)
 
 
 def _traffic_bytes(est: Estimate, zero_stage: int) -> None:

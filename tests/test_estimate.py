@@ -213,16 +213,17 @@ def _yafsdp_floor(est) -> float:
 
 def test_persistent_memory_at_70b_is_the_yafsdp_floor() -> None:
     # Llama 2 70B (vocab 32k: the embedding is smaller than a block): at the floor,
-    # +0.6% (the norm group, the staging of the cast, the reduce_scatter outputs).
+    # +0.2% (the norm group, the staging of the cast; the reduce_scatter outputs are gone:
+    # [Note: reduce into the gradient window]).
     llama2 = _floor_estimate("llama2-70b", 64)
     assert llama2.states / _yafsdp_floor(llama2) < 1.02
     # Llama 3 70B (vocab 128k): its embedding and head (1.05B elements each) are larger
     # than a block (0.86B); they run in row chunks of at most a block ([Note: row
-    # chunks]), so the slots are block-sized: +0.7% (1.091x with vocabulary-sized slots).
+    # chunks]), so the slots are block-sized: +0.2% (1.087x with vocabulary-sized slots).
     llama3 = _floor_estimate("llama3-70b", 64)
     assert llama3.states / _yafsdp_floor(llama3) < 1.01
     whole = _floor_estimate("llama3-70b", 64, options=["strategy.vocab_chunks=false"])
-    assert whole.states / _yafsdp_floor(whole) > 1.09
+    assert whole.states / _yafsdp_floor(whole) > 1.08
     assert llama3.resident_buffers < 0.01 * GB  # the norms only
     assert llama3.compute_shards < 0.01 * GB  # no bf16 twin of the master shards
 

@@ -11,7 +11,8 @@ without the engine having to know which backward is the last.
 
 The first backward after ``optimizer.zero_grad()`` (every ``.grad is None``, the
 torch default) writes into a new gradient window, one tensor of the master
-shard's size; later backwards add. [Note: per-parameter grads] Each sharded
+shard's size (its reductions write straight into it: [Note: reduce into the
+gradient window]); later backwards add. [Note: per-parameter grads] Each sharded
 parameter's ``.grad`` is a RangeShardedTensor over its piece of the window, set at
 the end of a backward for every parameter that some rank wrote a grad for; a
 parameter no rank used keeps ``grad is None``, so the optimizer skips it, as
@@ -45,6 +46,8 @@ class ShardGrads:
         self._live: weakref.ref | None = None  # the window the params' .grad views read
         self._fresh: torch.Tensor | None = None  # a new window, until the end of backward
         self._written: set[tuple[int, int]] = set()
+        # Ranges some reduction of this backward was issued for (it may not have landed).
+        self._taken: set[tuple[int, int]] = set()
 
     def window(self) -> torch.Tensor | None:
         """The gradient window the parameters' grads are views of, if any grad is set."""
@@ -58,6 +61,7 @@ class ShardGrads:
     def begin_backward(self) -> None:
         """Called once at the start of every backward pass."""
         self._written.clear()
+        self._taken.clear()
         live = self.window()
         if live is None:
             self._fresh = torch.empty_like(self.master, memory_format=torch.contiguous_format)
@@ -67,6 +71,27 @@ class ShardGrads:
                 live[start:end].zero_()
             elif not _is_window_view(param.grad, live, start):
                 _refuse_replaced_grad(param)
+
+    def first_writes(
+        self, ranges: list[tuple[int, int]], dtype: torch.dtype
+    ) -> list[torch.Tensor] | None:
+        """The window's slices for ``ranges``, if a reduction may write them directly.
+
+        [Note: reduce into the gradient window] Only a fresh window (the first backward
+        after ``zero_grad``) in ``dtype``, and only ranges no reduction of this backward
+        was issued for: their first write, which replaces. The ranges count as written
+        from now on (the caller divides them once the reduction is final). None: the
+        reduction stages its result and adds it (``add``) once final.
+        """
+        window, taken = self._fresh, self._taken
+        direct = (
+            window is not None and window.dtype == dtype and not any(r in taken for r in ranges)
+        )
+        taken.update(ranges)  # a later reduction of these ranges adds, whichever path
+        if not direct:
+            return None
+        self._written.update(ranges)
+        return [window[start:end] for start, end in ranges]
 
     def add(self, start: int, end: int, reduced: torch.Tensor, divide_factor: float) -> None:
         """Add one reduced shard (a sum over ranks) into elements ``[start, end)``.
@@ -92,6 +117,7 @@ class ShardGrads:
         """A backward raised before its end: drop what it accumulated in a fresh window."""
         self._fresh = None
         self._written.clear()
+        self._taken.clear()
 
     def end_backward(self, ranges: list[tuple[int, int]], used: list[bool]) -> None:
         """Expose the window as ``.grad`` of every parameter some rank used.

@@ -40,7 +40,6 @@ class ScheduledUnit:
     Attributes:
         gathered: what its gather writes into its weight slot (trainable + frozen).
         grads: its full-size grads in its grad slot.
-        reduced: its reduced shard (a row chunk: the largest part any rank owns).
         staged: its shard cast before the gather under mixed precision (row chunks
             cast as they copy: 0).
         gather_comm / reduce_comm: elements its gather / reduce count in ``CommStats``.
@@ -55,7 +54,6 @@ class ScheduledUnit:
 
     gathered: int
     grads: int
-    reduced: int
     staged: int
     gather_comm: int
     reduce_comm: int
@@ -82,7 +80,6 @@ def scheduled_units(
                 gathered,
                 layout.padded_numel,
                 layout.shard_numel,
-                layout.shard_numel,
                 gathered,
                 layout.padded_numel,
                 layout.shard_numel,
@@ -90,13 +87,11 @@ def scheduled_units(
                 is_block,
             )
         ]
-    ranks = range(layout.world_size)
     if not layout.spans:  # frozen rows after an empty trainable part: no grads, no reduce
         return [
             ScheduledUnit(
                 1 + chunk.layout.padded_numel,
                 1,
-                0,
                 0,
                 chunk.comm_numel,
                 0,
@@ -110,7 +105,6 @@ def scheduled_units(
         ScheduledUnit(
             chunk.layout.padded_numel,
             chunk.layout.padded_numel,
-            max(chunk.owned_numel(rank) for rank in ranks),
             0,
             chunk.comm_numel,
             chunk.comm_numel,
@@ -135,7 +129,6 @@ class BufferSizes:
     weights: list[int]
     weight_slots: list[int]
     grads: list[int]
-    grad_shards: list[int]
     staging: list[int]
 
 
@@ -162,6 +155,5 @@ def buffer_sizes(schedule: list[ScheduledUnit], zero_stage: int) -> BufferSizes:
         weights,
         slot_of,
         per_slot([u.grads for u in schedule], 2),
-        per_slot([u.reduced for u in schedule], 2),
         per_slot([u.staged for u in schedule], 2),
     )

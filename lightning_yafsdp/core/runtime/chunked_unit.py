@@ -299,16 +299,17 @@ class RowChunkUnit(ShardedUnit):
         return launch, buffer.release_event, False  # condition 2
 
     def _issue_reduction(self, grad_buffer) -> tuple:
-        """One reduce per owning rank's part; each owner adds its parts into its grad shard."""
-        ctx = self.context
-        full, reduced = grad_buffer.tensor, grad_buffer.reduced
+        """One reduce per owning rank's part, in place in the grad buffer; the owner copies
+        its parts straight into the gradient window (divided once final) or, for a later
+        write, adds them from the buffer ([Note: reduce into the gradient window])."""
+        ctx, full, base = self.context, grad_buffer.tensor, self.grad_range[0]
+        ranges = [(base + p.shard_offset, base + p.shard_offset + p.numel) for p in self._owned]
+        in_buffer = [full[p.chunk_offset : p.chunk_offset + p.numel] for p in self._owned]
+        window = ctx.unit_grads.first_writes(ranges, full.dtype)
 
         def copy_out() -> None:  # the grad buffer is free once the owned parts are copied
-            cursor = 0
-            for part in self._owned:
-                end = part.chunk_offset + part.numel
-                reduced[cursor : cursor + part.numel].copy_(full[part.chunk_offset : end])
-                cursor += part.numel
+            for target, source in zip(window, in_buffer, strict=True):
+                target.copy_(source)
 
         def launch(async_op: bool):
             works = [
@@ -321,9 +322,11 @@ class RowChunkUnit(ShardedUnit):
                 )
                 for part in self._reduced_parts
             ]
+            then = copy_out if window is not None else None
             if async_op:
-                return WorkList(works, then=copy_out)
-            copy_out()
+                return WorkList(works, then=then)
+            if then is not None:
+                then()
             return None
 
         pending = ctx.issue_reduction(
@@ -331,24 +334,27 @@ class RowChunkUnit(ShardedUnit):
             slot=grad_buffer.index,
             tag=(self.index, self.layout.padded_numel),
             scatter=launch,
-            replicate=self._replicate_launch(reduced),
+            replicate=self._replicate_launch(window if window is not None else in_buffer),
         )
-        return self._add_owned_parts, pending
+        if window is not None:
 
-    def _replicate_launch(self, reduced: torch.Tensor):
+            def divide() -> None:
+                for part in window:
+                    ctx.divide(part)
+
+            return pending, divide, False
+
+        def add() -> None:
+            for (start, end), part in zip(ranges, in_buffer, strict=True):
+                ctx.add_reduced(ctx.unit_grads, start, end, part)
+
+        return pending, add, True
+
+    def _replicate_launch(self, owned: list[torch.Tensor]):
         """Hybrid sharding: the all_reduce of the owned parts across the replicas, which own
         the same parts ([Note: hybrid sharding]); None with one shard group."""
-        owned = sum(part.numel for part in self._owned)
-        launch = self.context.replicate(reduced[:owned])
-        if launch is None or owned:
-            return launch
-        return lambda async_op: None  # this shard rank owns none of the chunk, nor do its replicas
-
-    def _add_owned_parts(self) -> None:
-        ctx, base = self.context, self.grad_range[0]
-        reduced, cursor = self.grad_buffer.reduced, 0
-        for part in self._owned:
-            start = base + part.shard_offset
-            piece = reduced[cursor : cursor + part.numel]
-            ctx.add_reduced(ctx.unit_grads, start, start + part.numel, piece)
-            cursor += part.numel
+        if self.context.replicate_group is None:
+            return None
+        launches = [self.context.replicate(part) for part in owned]
+        # No part: this shard rank owns none of the chunk, nor do its replicas.
+        return lambda async_op: WorkList([launch(async_op) for launch in launches])

@@ -10,9 +10,12 @@ state shares with them. The context holds:
   recorded schedule), the shard and replicate groups, the traffic counters;
 - the slots, with the only slot arithmetic: ``weight_slot(i)`` / ``grad_slot(i)`` for
   unit ``i`` of the schedule, and the gather staging (``stage``);
-- the reduction queue: the one way to issue a reduction (``issue_reduction``), to start
-  the replicate all_reduces that are ready (``advance_reductions``) and to add a reduced
-  shard into a master-dtype gradient (``add_reduced``, divided once);
+- the reduction queue: the one way to issue a reduction (``issue_reduction``), where it
+  writes (``reduce_output``: the gradient window itself, or staged in the grad buffer,
+  [Note: reduce into the gradient window]), to start the replicate all_reduces that are
+  ready (``advance_reductions``), to complete them in issue order
+  (``complete_reductions``) and to divide or add a reduced shard in a master-dtype
+  gradient (``divide`` / ``add_reduced``, once);
 - the step: the phase (``in_backward``), the weights' version (``compute_version``), the
   units in schedule order (prefetch is ``order[i +/- 1]``), the input cast.
 
@@ -33,7 +36,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from lightning_yafsdp.core.comm.buffers import GatherStaging, GradBuffer, WeightBuffer
+from lightning_yafsdp.core.comm.buffers import (
+    GatherStaging,
+    GradBuffer,
+    ReduceQueue,
+    WeightBuffer,
+)
 from lightning_yafsdp.core.comm.collectives import (
     CommStats,
     reduce_scatter_into,
@@ -108,12 +116,14 @@ class StepContext:
         ]
         # Unit i of the schedule gathers into weight_buffers[_weight_slot_of[i]].
         self._weight_slot_of = list(buffer_sizes.weight_slots)
+        # One queue: reductions complete in issue order ([Note: reduce into the gradient
+        # window]).
+        queue = ReduceQueue()
         self.grad_buffers = [
-            GradBuffer(i, numel, shard, dtype=reduce_dtype, device=device)
-            for i, (numel, shard) in enumerate(
-                zip(buffer_sizes.grads, buffer_sizes.grad_shards, strict=True)
-            )
+            GradBuffer(i, numel, dtype=reduce_dtype, device=device, queue=queue)
+            for i, numel in enumerate(buffer_sizes.grads)
         ]
+        self._reduce_queue = queue
         self.gather_staging = gather_staging
         self.unit_grads, self.norm_grads = grads
         # Reduced grads are sums over every rank (shard and replicate groups).
@@ -183,6 +193,34 @@ class StepContext:
         for buffer in self.grad_buffers:
             if buffer.reduce is not None:
                 buffer.reduce.advance()
+
+    def complete_reductions(self) -> None:
+        """Complete every reduction in flight, in issue order (the end of backward)."""
+        self._reduce_queue.complete_all()
+
+    def reduce_output(
+        self, grads: ShardGrads, start: int, end: int, full: torch.Tensor
+    ) -> tuple[torch.Tensor, Callable[[], None], bool]:
+        """Where the reduce_scatter of ``full`` into ``grads[start:end]`` writes.
+
+        Returns ``(output, on_reduced, in_buffer)``: the window's range itself when
+        this is its first write in the window's dtype (``on_reduced`` divides it in
+        place), else this rank's shard of ``full`` (an in-place reduce_scatter;
+        ``on_reduced`` adds it into the window) ([Note: reduce into the gradient
+        window]).
+        """
+        direct = grads.first_writes([(start, end)], full.dtype)
+        if direct is not None:
+            window = direct[0]
+            return window, lambda: self.divide(window), False
+        shard = end - start
+        staged = full[self.shard_rank * shard : (self.shard_rank + 1) * shard]
+        return staged, lambda: self.add_reduced(grads, start, end, staged), True
+
+    def divide(self, written: torch.Tensor) -> None:
+        """Divide a reduced sum written straight into the window ([Note: divide after
+        reduce])."""
+        written.div_(self.divide_factor)
 
     def add_reduced(self, grads: ShardGrads, start: int, end: int, reduced) -> None:
         """Add a reduced shard into ``grads[start:end]``, divided once ([Note: divide

@@ -305,8 +305,7 @@ class YaFSDPEngine:
         # Collectives below run in the same order on every rank.
         for unit in self.units:
             unit.finish_backward()
-        for buffer in self.grad_buffers:
-            buffer.complete_reduce()
+        self.context.complete_reductions()
         for group in self.residents:
             group.reduce_grads()
         used = self._used_anywhere()
@@ -325,9 +324,7 @@ class YaFSDPEngine:
         grads of a failed backward; ``.grad`` was never set from this pass.
         """
         for buffer in self.grad_buffers:
-            if buffer.reduce is not None:
-                buffer.reduce.wait()
-                buffer.reduce, buffer.on_reduced = None, None
+            buffer.drop_reduce()
         for group in dict.fromkeys([*self.units, *self._groups]):
             group.abandon_grad_writes()
         for unit in self.units:

@@ -46,11 +46,7 @@ class ResidentGroup(FlatParamGroup):
             -1, self.layout.padded_numel, dtype=context.param_dtype, device=device
         )
         self.grad_buffer = GradBuffer(
-            -1,
-            self.layout.padded_numel,
-            self.layout.shard_numel,
-            dtype=context.reduce_dtype,
-            device=device,
+            -1, self.layout.padded_numel, dtype=context.reduce_dtype, device=device
         )
         # Its index in collective-order tags (units use 0, 1, ...).
         self.guard_index = -2 if grads is context.norm_grads else -1
@@ -120,16 +116,19 @@ class ResidentGroup(FlatParamGroup):
         if not self.has_grad_target:
             self.begin_grad_writes(self.grad_buffer)
         self.finish_grad_writes()
-        reduced = self.grad_buffer.reduced
+        full = self.grad_buffer.tensor
+        start, end = self.grad_range
+        # Into the gradient window, or staged in the grad buffer ([Note: reduce into the
+        # gradient window]).
+        reduced, on_reduced, _ = ctx.reduce_output(self.grads, start, end, full)
         ctx.issue_reduction(
             unit=self.name,
             slot=None,
             tag=(self.guard_index, self.layout.padded_numel),
-            scatter=ctx.reduce_scatter(self.grad_buffer.tensor, reduced),
+            scatter=ctx.reduce_scatter(full, reduced),
             replicate=ctx.replicate(reduced),
         ).wait()
-        start, end = self.grad_range
-        ctx.add_reduced(self.grads, start, end, reduced)
+        on_reduced()
         # The graph that used the views is consumed; the next grad-mode forward re-creates them.
         self._views_in_graph = False
         self.uninstall_views()

@@ -16,9 +16,10 @@ backward  ``PreBackwardGate.backward`` -> ``pre_backward``: claim grad buffer
           ``GateGradFlow.backward`` -> ``post_backward``: one call's grads are
           all in the buffer; after the last call (condition 4) issue the
           reduce_scatter (hybrid sharding: then the replicate all_reduce of
-          the reduced shard). The result is added into the master-dtype grad
-          right before the next reduce_scatter into that grad buffer, or at the
-          end of backward.
+          the reduced shard), straight into the master-dtype grad window (or
+          staged in the grad buffer: [Note: reduce into the gradient window]);
+          it is divided there (or added) right before the next reduce_scatter
+          from that grad buffer, or at the end of backward.
 
 Which of these a hook may do is decided by the unit's ``UnitLifecycle``
 ([Note: unit state machine], ``unit_state.py``): every transition, the
@@ -360,16 +361,18 @@ class ShardedUnit(FlatParamGroup):
         grad_buffer = self.grad_buffer
         grad_buffer.complete_reduce()  # the previous user's reduced shard is read first
         self.life.fire("reduce")
-        grad_buffer.on_reduced, grad_buffer.reduce = self._issue_reduction(grad_buffer)
+        pending, on_reduced, in_buffer = self._issue_reduction(grad_buffer)
+        grad_buffer.start_reduce(pending, on_reduced, result_in_buffer=in_buffer)
 
     def _issue_reduction(self, grad_buffer) -> tuple:
-        """``(on_reduced, pending)``: the reduction of ``grad_buffer`` issued, and what adds
-        its result into the master-dtype grad once it is final."""
+        """``(pending, on_reduced, in_buffer)``: the reduction of ``grad_buffer`` issued,
+        what divides or adds its result in the master-dtype grad once it is final, and
+        whether that result is staged in the grad buffer ([Note: reduce into the
+        gradient window])."""
         ctx = self.context
         full = grad_buffer.tensor[: self.layout.padded_numel]
-        reduced = grad_buffer.reduced[: self.layout.shard_numel]
         start, end = self.grad_range
-        # The unit's own prefix of the shared staging tensor (units differ in size).
+        reduced, on_reduced, in_buffer = ctx.reduce_output(ctx.unit_grads, start, end, full)
         pending = ctx.issue_reduction(
             unit=self.name,
             slot=grad_buffer.index,
@@ -377,7 +380,7 @@ class ShardedUnit(FlatParamGroup):
             scatter=ctx.reduce_scatter(full, reduced),
             replicate=ctx.replicate(reduced),
         )
-        return (lambda: ctx.add_reduced(ctx.unit_grads, start, end, reduced)), pending
+        return pending, on_reduced, in_buffer
 
     # -- activation checkpointing ---------------------------------------------
 
