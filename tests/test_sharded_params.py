@@ -160,3 +160,21 @@ def test_unsharded_optimizer_state_is_refused_before_it_is_stepped() -> None:
     for message in dist_run(2, probes.unsharded_state_is_refused_at_step, timeout_s=120):
         assert message.startswith("RuntimeError: optimizer state 'exp_avg'"), message
         assert "trainer.fit(ckpt_path=...)" in message, message
+
+
+def test_a_new_optimizer_arena_is_zero_wherever_no_state_was_copied() -> None:
+    # [Note: optimizer runs] Arenas are made uninitialised (so the first step does not
+    # hold the optimizer state twice) and sealed after the copies: padding between pieces
+    # is stepped with the runs and must start at zero.
+    from lightning_yafsdp.core.optim.optim_runs import Arenas
+
+    master, arenas = torch.zeros(10), Arenas()
+    arena = arenas.get_or_make(master, "exp_avg", master)
+    arena.fill_(float("nan"))  # whatever the allocator handed out
+    arena[2:5] = 1.0
+    arenas.wrote(arena, 2, 5)
+    arena[7:8] = 2.0
+    arenas.wrote(arena, 7, 8)
+    arenas.seal()
+    assert arena.tolist() == [0, 0, 1, 1, 1, 0, 0, 2, 0, 0]
+    assert arenas.get_or_make(master, "exp_avg", master) is arena  # made once

@@ -43,6 +43,7 @@ from torch.optim.optimizer import (
 from lightning_yafsdp.core.comm.step_timing import timed_hook
 from lightning_yafsdp.core.optim.grads import ShardGrads
 from lightning_yafsdp.core.optim.optim_runs import (
+    Arenas,
     PieceSlot,
     Run,
     adopt_into_arenas,
@@ -209,7 +210,9 @@ class OptimizerStepSwap:
     def _swap_out(self, optimizer) -> None:
         _, saved = self._active.pop(id(optimizer))
         state, slots = optimizer.state, self._slots()
-        arenas = self._arenas.setdefault(optimizer, {})
+        arenas = self._arenas.get(optimizer)
+        if arenas is None:
+            arenas = self._arenas[optimizer] = Arenas()
         for group, params, singles, runs in saved:
             for run in runs:
                 finish_run(run, state, arenas)
@@ -222,6 +225,7 @@ class OptimizerStepSwap:
                         adopt_into_arenas(slots[id(param)], entry, arenas)
                     state[param] = entry
             group["params"] = params
+        arenas.seal()
 
 
 def _enter_piece(param, state) -> torch.Tensor:
