@@ -157,7 +157,9 @@ def _frozen_base_growth() -> dict:
 
 
 def _train(model: nn.Module, *, steps: int):
-    engine = shard_model(model, param_init_fn=_init_linear)
+    # One block per unit: the expected growth below counts two BLOCKS' buffers (grouped
+    # blocks would make the slots, which do not shrink with N, several blocks each).
+    engine = shard_model(model, param_init_fn=_init_linear, blocks_per_unit=1)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(steps):
