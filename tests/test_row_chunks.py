@@ -193,9 +193,12 @@ CASES = [
     (4, dict(head_bias=False, padding_idx=None, shard_size=2, tied=True)),
     # ZeRO-2: every chunk keeps its own weight slot; the grad slots are block-sized.
     # The scale (sqrt(24)) amplifies the chunked embedding's round-off (issue 35, point 4):
-    # measured 1.09e-5 on layers.0.up.weight (whole units: 1.2e-6); in float64 the chunked
-    # and the whole run agree exactly (0.0), so it is the order of the row-gradient sums.
-    (2, dict(head_bias=True, padding_idx=None, zero_stage=2, embedding="scaled", rtol=3e-5)),
+    # measured 1.09e-5 on layers.0.up.weight in one session and 3.65e-5 in the next, on the
+    # same commit (e09d253: the matmul kernels' round-off differs between machines of this
+    # kind, and AdamW amplifies it); whole units: 1.2e-6. In float64 the chunked and the
+    # whole run agree exactly (0.0, test_chunked_and_whole_vocabularies_agree_in_float64),
+    # so it is the order of the row-gradient sums.
+    (2, dict(head_bias=True, padding_idx=None, zero_stage=2, embedding="scaled", rtol=6e-5)),
     (3, dict(head_bias=False, padding_idx=None, zero_stage=2)),
     # A frozen embedding and head (a LoRA base's): chunks of the frozen rows, no grads.
     (2, dict(head_bias=True, padding_idx=3, frozen=True)),
