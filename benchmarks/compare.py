@@ -229,11 +229,13 @@ def _make_strategy(cfg: dict):
         return FSDPStrategy(auto_wrap_policy={TransformerBlock})
     if name == "deepspeed":
         return "deepspeed_stage_3"
-    if name == WHOLE:
+    if name in (OURS, WHOLE):
         from lightning_yafsdp import YaFSDPStrategy
 
-        return YaFSDPStrategy(vocab_chunks=False)
-    return name  # "yafsdp" (registered by import lightning_yafsdp), "ddp"
+        per_unit = cfg["blocks_per_unit"]
+        per_unit = int(per_unit) if per_unit.isdigit() else per_unit
+        return YaFSDPStrategy(vocab_chunks=name != WHOLE, blocks_per_unit=per_unit)
+    return name  # "ddp"
 
 
 def _timer_callback(cfg: dict, rank: int):
@@ -506,6 +508,7 @@ def _run_job(
             "profile_rows": args.profile_rows,
             "compile": args.compile,
             "breakdown": getattr(args, "breakdown", False),
+            "blocks_per_unit": getattr(args, "blocks_per_unit", "auto"),
         }
         nprocs = 1 if strategy == FLOOR else WORLD_SIZE
         mp.spawn(_rank_main, args=(cfg,), nprocs=nprocs, join=True)
@@ -847,6 +850,11 @@ def main(argv: list[str] | None = None) -> int:
         "--no-memory-pass",
         action="store_true",
         help="CPU: skip the 1-job-per-strategy pass with RSS-tracking malloc settings",
+    )
+    parser.add_argument(
+        "--blocks-per-unit",
+        default="auto",
+        help="yafsdp's blocks_per_unit: 'auto' (default) or a number (1: one block per unit)",
     )
     parser.add_argument(
         "--breakdown",
