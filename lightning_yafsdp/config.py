@@ -116,7 +116,7 @@ class ModelConfig:
         chunk = self.loss_chunk_size = str(self.loss_chunk_size)
         if chunk in ("False", "false"):  # YAML reads `off` and `false` as a boolean
             chunk = self.loss_chunk_size = "none"
-        if chunk not in ("auto", "none") and not chunk.isdigit():
+        if chunk not in ("auto", "none") and not _is_count(chunk):
             raise ConfigError(
                 f"model.loss_chunk_size={chunk!r}: use 'auto', 'none' or a number of tokens"
             )
@@ -390,7 +390,7 @@ class StrategyConfig:
     def __post_init__(self) -> None:
         _check_choice("strategy", "name", self.name, ("yafsdp", "ddp"))
         per_unit = str(self.blocks_per_unit)
-        if per_unit != "auto" and not (per_unit.isdigit() and int(per_unit) >= 1):
+        if per_unit != "auto" and not (_is_count(per_unit) and int(per_unit) >= 1):
             raise ConfigError(
                 f"strategy.blocks_per_unit={self.blocks_per_unit!r}: use 'auto' or a whole "
                 "number of blocks >= 1 (1: one block per unit)"
@@ -401,7 +401,7 @@ class StrategyConfig:
         _check_choice("strategy", "zero_stage", self.zero_stage, (2, 3))
         _check_choice("strategy", "reduce_dtype", self.reduce_dtype, ("float32", "bfloat16"))
         ac = self.activation_checkpointing
-        if ac not in ("none", "all", "auto") and not ac.isdigit():
+        if ac not in ("none", "all", "auto") and not _is_count(ac):
             raise ConfigError(
                 f"strategy.activation_checkpointing={ac!r}: use 'none', 'all', 'auto' or a "
                 "number of units"
@@ -712,3 +712,8 @@ def _expected_type(full_key: str) -> str:
     except (KeyError, TypeError):
         return ""
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _is_count(text: str) -> bool:
+    """ASCII digits only: ``str.isdigit`` also takes '²' and '٣', which ``int`` refuses."""
+    return text.isascii() and text.isdigit()

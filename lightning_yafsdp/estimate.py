@@ -433,7 +433,7 @@ def checkpointed_units(est: Estimate, config: RunConfig) -> int:
         return 0
     if spec == "all":
         return n
-    if spec.isdigit():
+    if spec.isascii() and spec.isdigit():
         return min(int(spec), n)
     budget = float(config.strategy.activation_memory_gb or 0) * GiB
     for k in range(n + 1):

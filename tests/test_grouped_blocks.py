@@ -256,3 +256,56 @@ def test_checkpointing_named_by_block_class_selects_units_of_grouped_blocks():
     ``layers.0-1`` is no module path, so the class is matched on the unit's blocks."""
     (calls,) = dist_run(1, _checkpointed_by_class, timeout_s=120)
     assert calls == [2, 2, 2, 2]
+
+
+class _Mix(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class _Gate(nn.Module):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(self.fc(x))
+
+
+class _Hybrid(nn.Module):
+    """Blocks of two alternating classes (as Jamba's Mamba and attention layers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Mix() if i % 2 else _Gate() for i in range(8)])
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def test_blocks_of_alternating_classes_are_grouped_in_module_order():
+    with torch.device("meta"):
+        names = _unit_names(_Hybrid(), blocks_per_unit=2)
+    assert [n for n in names if n.startswith("layers")] == [
+        "layers.0-1", "layers.2-3", "layers.4-5", "layers.6-7",
+    ]  # fmt: skip
+
+
+def _checkpointed_members_of_mixed_units() -> list[bool]:
+    from lightning_yafsdp.core import shard_model
+
+    model = _Hybrid()
+    shard_model(model, blocks_per_unit=2, activation_checkpointing=_Mix)
+    return [layer.forward.__name__ == "checkpointed_forward" for layer in model.layers]
+
+
+def test_checkpointing_by_class_recomputes_the_matching_blocks_of_a_mixed_unit():
+    (wrapped,) = dist_run(1, _checkpointed_members_of_mixed_units, timeout_s=120)
+    assert wrapped == [False, True] * 4

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -189,8 +190,10 @@ def check_bool(name: str, value: Any) -> bool:
 
 
 def check_blocks_per_unit(name: str, value: Any) -> int | str:
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+    if isinstance(value, str) and value == "auto":
         return value
+    if not isinstance(value, bool) and hasattr(value, "__index__") and operator.index(value) >= 1:
+        return operator.index(value)  # a numpy integer too
     refuse(name, value, "'auto' or a whole number of blocks >= 1 (1: one block per unit)")
 
 

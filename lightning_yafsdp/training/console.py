@@ -91,7 +91,7 @@ def estimate_table(est: Estimate, *, title: str = "memory per rank") -> Table:
         ("activations, no checkpointing", est.activations(0)),
         ("activations, all blocks checkpointed", est.activations(est.num_blocks)),
         (
-            f"activations, {est.checkpointed_units} block(s) checkpointed (recipe)",
+            f"activations, {est.checkpointed_units} unit(s) of blocks checkpointed (recipe)",
             est.activations(est.checkpointed_units),
         ),
     ]

@@ -27,6 +27,7 @@ sizes the same slots as the engine.
 from __future__ import annotations
 
 import math
+import operator
 import re
 
 from torch import nn
@@ -77,18 +78,23 @@ def auto_blocks_per_unit(block_numels: list[int]) -> int:
 def _blocks_per_unit(blocks, blocks_per_unit: BlocksPerUnit) -> int:
     if blocks_per_unit == "auto":
         return auto_blocks_per_unit([_numel(module) for _, module in blocks])
-    if isinstance(blocks_per_unit, bool) or not isinstance(blocks_per_unit, int):
+    if isinstance(blocks_per_unit, bool) or not hasattr(blocks_per_unit, "__index__"):
         raise ValueError(f"blocks_per_unit must be 'auto' or an int >= 1, got {blocks_per_unit!r}")
+    blocks_per_unit = operator.index(blocks_per_unit)
     if blocks_per_unit < 1:
         raise ValueError(f"blocks_per_unit must be 'auto' or an int >= 1, got {blocks_per_unit}")
     return blocks_per_unit
 
 
 def _sibling_runs(blocks) -> list[list[tuple[str, nn.Module]]]:
-    """``blocks`` cut into runs of consecutive indices under one container."""
+    """``blocks`` cut into runs of consecutive indices under one container.
+
+    Sorted by index first: the policy lists blocks of alternating classes (Jamba's Mamba
+    and attention layers) class by class, and their runs are still consecutive.
+    """
     runs: list[list[tuple[str, nn.Module]]] = []
     previous = None
-    for name, module in blocks:
+    for name, module in sorted(blocks, key=_position):
         match = _INDEXED.match(name)
         key = (match.group(1), int(match.group(2))) if match else None
         follows = key is not None and previous is not None and previous == (key[0], key[1] - 1)
@@ -98,6 +104,12 @@ def _sibling_runs(blocks) -> list[list[tuple[str, nn.Module]]]:
             runs.append([(name, module)])
         previous = key
     return runs
+
+
+def _position(block: tuple[str, nn.Module]) -> tuple:
+    """Container, then index within it (``layers.10`` after ``layers.9``)."""
+    match = _INDEXED.match(block[0])
+    return (match.group(1), int(match.group(2))) if match else (block[0], -1)
 
 
 def _group_name(members: list[tuple[str, nn.Module]]) -> str:

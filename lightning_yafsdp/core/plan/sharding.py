@@ -660,9 +660,10 @@ def _assign_params(root, unit_groups, norm_classes):
             continue
         if len(homes) > 1:
             names = [owner.name for owner in owners]
+            groups = sorted(h if isinstance(h, str) else unit_groups[h][0] for h in homes)
             raise ValueError(
                 f"parameters {names} are one tied tensor used by different sharded groups "
-                f"({sorted(map(str, homes))}); a tied tensor must live in one group. "
+                f"({groups}); a tied tensor must live in one group. "
                 "Keep both users "
                 "outside the units (e.g. tied embedding and output head in the root) or untie them."
             )
@@ -828,10 +829,12 @@ def _apply_activation_checkpointing(engine: YaFSDPEngine, spec: CheckpointSpec) 
     if spec == "all":
         chosen = blocks
     elif isinstance(spec, type) or _is_class_list(spec):
-        # A block class (FSDPStrategy's form): the units whose blocks are all of it, a
-        # unit of grouped blocks included ([Note: grouped blocks]).
+        # A block class (FSDPStrategy's form), matched block by block: in a unit of grouped
+        # blocks of several classes only the matching ones recompute ([Note: grouped blocks]).
         classes = (spec,) if isinstance(spec, type) else tuple(spec)
-        chosen = [u for u in blocks if all(isinstance(m, classes) for m in u.modules)]
+        for unit in blocks:
+            unit.enable_activation_checkpointing(lambda m: isinstance(m, classes))
+        return
     elif callable(spec):
         chosen = [u for i, u in enumerate(blocks) if spec(i, u.name)]
     elif isinstance(spec, (list, tuple, range)):

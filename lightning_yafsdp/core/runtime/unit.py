@@ -384,7 +384,7 @@ class ShardedUnit(FlatParamGroup):
 
     # -- activation checkpointing ---------------------------------------------
 
-    def enable_activation_checkpointing(self) -> None:
+    def enable_activation_checkpointing(self, blocks=None) -> None:
         """Run this unit's forward under non-reentrant ``torch.utils.checkpoint``.
 
         The hooks stay outside the checkpointed region; recomputation runs
@@ -393,9 +393,11 @@ class ShardedUnit(FlatParamGroup):
         """
         if self._original_forwards:
             return
-        # Every module of the unit: grouped blocks are checkpointed block by block
-        # ([Note: grouped blocks]), as without grouping.
+        # Every module of the unit (``blocks``: those it accepts): grouped blocks are
+        # checkpointed block by block ([Note: grouped blocks]), as without grouping.
         for module in self.modules:
+            if blocks is not None and not blocks(module):
+                continue
             self._original_forwards.append((module, module.forward))
             module.forward = _checkpointed(module.forward)
 
