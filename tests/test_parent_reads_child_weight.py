@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_yafsdp  # noqa: F401 - registers strategy="yafsdp"
@@ -88,3 +89,39 @@ def test_clip_text_model_reading_its_position_embedding_shape_trains_like_ddp():
             scale = expected.abs().max().clamp_min(1e-3)
             error = (ours["weights"][key].float() - expected.float()).abs().max() / scale
             assert error <= ROUND_OFF, (key, error.item())
+
+
+class _PenaltyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(h).pow(2).mean()
+
+
+def _penalty_after_forward() -> str:
+    from lightning_yafsdp.core import shard_model
+
+    torch.manual_seed(0)
+    model = _PenaltyNet()
+    shard_model(model, units=nn.Sequential)
+    loss = model(torch.randn(4, 16))
+    try:  # layers.0's buffer holds layers.2 by now: its views would read layers.2's weights
+        penalty = sum(layer[0].weight.pow(2).sum() for layer in model.layers)
+    except RuntimeError as error:
+        return str(error)
+    (loss + penalty).backward()
+    return "no error"
+
+
+def test_a_block_weight_read_after_its_buffer_was_taken_refuses_instead_of_reading_another():
+    """A penalty computed in the training step after the forward read whatever unit held
+    the block's slot by then, silently (found by a review); now it names the weight."""
+    (message,) = dist_run(2, _penalty_after_forward, timeout_s=120)[:1]
+    assert "'layers.0.0.weight' was read outside the forward of its module" in message

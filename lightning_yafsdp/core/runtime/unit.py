@@ -144,6 +144,8 @@ class ShardedUnit(FlatParamGroup):
         if buffer.gather is not None:
             buffer.gather.wait()  # a prefetch for another unit: let it land before overwriting
         ctx = self.context
+        if buffer.holder is not None and buffer.holder is not self:
+            buffer.holder.yield_buffer()
         buffer.holder = self
         buffer.version = ctx.compute_version
         launch, after, staged = self._gather_launch(buffer)
@@ -185,6 +187,19 @@ class ShardedUnit(FlatParamGroup):
             return WorkList(works) if async_op else None
 
         return launch, after, self.compute_shard is None
+
+    def yield_buffer(self) -> None:
+        """Another unit gathers into this block's weight buffer between its forward and
+        the end of the step: the views the forward left ([Note: views outlive forward])
+        would read that unit's weights, so until pre-backward installs fresh ones the
+        attributes are ``UngatheredWeight``s, which refuse to compute ([Note: ungathered
+        weights]). A penalty on ``layer.weight`` computed after the forward then raises
+        instead of training on another block's weights."""
+        waiting = (UnitState.AWAITING_BACKWARD, UnitState.BACKWARD_PAUSED, UnitState.BACKWARD_DONE)
+        if self.is_block and self.life.state in waiting:
+            self.uninstall_views()
+            buffer = self.weight_buffer.tensor
+            self.param_group.expose_ungathered(buffer.dtype, buffer.device)
 
     def _release_weights(self, note: str) -> None:
         """The unit stops computing with its weight buffer (condition 2's release point)."""
