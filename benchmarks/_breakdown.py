@@ -53,10 +53,8 @@ class PhaseClock:
         self._marks = {}
 
 
-def start_engine_timing(engine) -> Any:
-    """Measure the engine's hooks from now on; returns the ``StepTiming`` (None if no engine)."""
-    if engine is None:
-        return None
+def start_engine_timing() -> Any:
+    """Measure the engine's hooks from now on; returns the ``StepTiming``."""
     from lightning_yafsdp.core.comm.step_timing import StepTiming, activate
 
     timing = StepTiming()

@@ -273,8 +273,8 @@ def _timer_callback(cfg: dict, rank: int):
                 engine = engine_of(trainer)
                 if engine is not None:
                     engine.comm_stats.reset()
-                if self.phases is not None:
-                    self.engine_timing = bd.start_engine_timing(engine)
+                if self.phases is not None and engine is not None:
+                    self.engine_timing = bd.start_engine_timing()
                 trainer.strategy.barrier()
                 if cfg["profile"] and rank == 0:
                     activities = [torch.profiler.ProfilerActivity.CPU]

@@ -32,6 +32,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+try:  # run as a script (python3 benchmarks/gpu_bench.py): benchmarks/ is on sys.path
+    import _breakdown as bd
+except ImportError:  # imported as benchmarks.gpu_bench (gpu_check.sh's import check)
+    from benchmarks import _breakdown as bd
+
 
 def _synchronize(device: str) -> None:
     if device == "cuda":
@@ -86,7 +91,7 @@ def _run(strategy: str, args) -> dict:
     times, phases, timing = [], [], None
     for step in range(args.warmup + args.steps):
         if step == args.warmup and strategy == "yafsdp":
-            timing = _start_engine_timing()
+            timing = bd.start_engine_timing()
         tokens = torch.randint(0, vocab, (args.batch, args.seq), device=args.device)
         _synchronize(args.device)
         clock = _PhaseClock(args.device)
@@ -110,7 +115,7 @@ def _run(strategy: str, args) -> dict:
         **_peak_memory(args.device),
         "final_loss": loss.item(),
         "phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
-        "engine": _stop_engine_timing(timing, args.steps),
+        "engine": bd.stop_engine_timing(timing, args.steps),
     }
     del model, optimizer, logits, loss
     if args.device == "cuda":
@@ -144,28 +149,6 @@ class _PhaseClock:
         return dict(zip(("forward", "backward", "optimizer"), spans))
 
 
-def _start_engine_timing():
-    from lightning_yafsdp.core.comm.step_timing import StepTiming, activate
-
-    timing = StepTiming()
-    activate(timing)
-    return timing
-
-
-def _stop_engine_timing(timing, steps: int) -> dict | None:
-    if timing is None:
-        return None
-    from lightning_yafsdp.core.comm.step_timing import activate
-
-    activate(None)
-    snap = timing.snapshot()
-    return {
-        "hook_ms": 1e3 * snap["hook_s"] / steps,
-        "python_ms": 1e3 * snap["python_s"] / steps,
-        "issue_ms": {k: 1e3 * v / steps for k, v in snap["issue_s"].items()},
-    }
-
-
 def _breakdown_lines(rows: dict) -> list[str]:
     floor = rows.get("floor")
     lines = ["", "| strategy | forward ms | backward ms | optimizer ms | step over floor |",
@@ -178,11 +161,11 @@ def _breakdown_lines(rows: dict) -> list[str]:
             f"| {1e3 * p['optimizer']:.1f} | {over} |"
         )
     engine = rows["yafsdp"].get("engine")
-    if engine:
-        issue = ", ".join(f"{k} {v:.2f}" for k, v in sorted(engine["issue_ms"].items()))
+    if engine:  # seconds per step ([Note: step breakdown])
+        issue = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in sorted(engine["issue_s"].items()))
         lines.append(
-            f"yafsdp host time in its hooks: {engine['hook_ms']:.1f} ms/step (Python "
-            f"{engine['python_ms']:.1f}; issuing ms: {issue})"
+            f"yafsdp host time in its hooks: {1e3 * engine['hook_s']:.1f} ms/step (Python "
+            f"{1e3 * engine['python_s']:.1f}; issuing ms: {issue})"
         )
     return lines
 
