@@ -55,6 +55,29 @@ def record_schedule(
     return {"log": list(log), "slots": slots, "unit_names": [u.name for u in engine.units]}
 
 
+class _WithRootRemainder(nn.Module):
+    """A tiny Llama with a root-level bias: two resident groups (norms and the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llama = tiny_llama()
+        self.bias = nn.Parameter(torch.zeros(256))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.llama(tokens) + self.bias
+
+
+def record_resident_schedule() -> dict:
+    """One recorded step (after a warm-up) of a model with two resident groups."""
+    model = _WithRootRemainder()
+    engine = shard_model(model)
+    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
+    train_step(model, optimizer)
+    with engine.recording() as log:
+        train_step(model, optimizer, seed=1)
+    return {"log": list(log), "residents": [g.name for g in engine.residents]}
+
+
 class _LargeAllocations(TorchDispatchMode):
     """Records every op output that owns a fresh storage of at least ``min_numel`` elements."""
 

@@ -105,6 +105,21 @@ def test_next_units_gather_is_in_flight_while_the_current_unit_computes() -> Non
         assert any(start < i < end for i in issued), f"{following} not prefetched during {current}"
 
 
+@pytest.mark.parametrize("kind", ["gather", "reduce_scatter"])
+def test_resident_collectives_of_a_step_boundary_are_all_in_flight_before_any_wait(kind) -> None:
+    """[Note: batched step-boundary collectives]: the first forward after an optimizer step
+    issues every resident's gather, and the end of backward every resident's reduction,
+    before waiting for any of them."""
+    recorded = probe("record_resident_schedule")
+    log, residents = recorded["log"], recorded["residents"]
+    assert len(residents) == 2, residents
+    ops = [(i, e.op) for i, e in enumerate(log) if e.unit in residents and e.op.startswith(kind)]
+    issued = [i for i, op in ops if op == f"{kind}_issue"]
+    waited = [i for i, op in ops if op == f"{kind}_wait"]
+    assert len(issued) == len(waited) == 2, ops
+    assert max(issued) < min(waited)
+
+
 def test_hf_gradient_checkpointing_matches_and_keeps_the_schedule() -> None:
     results = probe("hf_gradient_checkpointing")
     for plain, checkpointed in zip(results[False]["grads"], results[True]["grads"], strict=True):

@@ -290,6 +290,10 @@ class YaFSDPEngine:
         self.optimizer_swap.restore_all()
         if self._weights_stale or self._master_versions() != self._seen_master_versions:
             self._refresh_compute_shards()
+        # [Note: batched step-boundary collectives] every resident's gather is in
+        # flight before the first is waited.
+        for group in self.residents:
+            group.start_gather()
         for group in self.residents:
             group.ensure_views()
         for unit in self.root_units:
@@ -306,9 +310,13 @@ class YaFSDPEngine:
         for unit in self.units:
             unit.finish_backward()
         self.context.complete_reductions()
-        for group in self.residents:
-            group.reduce_grads()
+        # [Note: batched step-boundary collectives] the residents' reductions and the
+        # used-parameter flags are all in flight before the first is waited.
+        finishes = [group.start_reduction() for group in self.residents]
         used = self._used_anywhere()
+        for finish in finishes:
+            if finish is not None:
+                finish()
         for grads, groups in self.grads_by_master():
             flags = [flag for g in groups for flag in used[id(g)]]
             ranges = [r for g in groups for r in g.grad_ranges(self.shard_rank)]
