@@ -261,3 +261,18 @@ def test_collectives_hold_nothing_once_gloo_let_go_of_their_tensors() -> None:
         assert facts["held_right_after"] <= 3, facts
         assert facts["held_later"] == 0, facts
         assert facts["use_counts"] == [1, 1, 1, 1, 1], facts
+
+
+def test_the_second_reference_to_a_held_alias_is_a_cpp_reference_for_every_kind_of_tensor():
+    """What ``_issue`` holds must add one C++ reference to the alias, also for inference
+    tensors (Lightning validates under ``inference_mode``), whose views keep no base:
+    otherwise gloo's worker can drop the last one ([Note: gloo work outlives its wait])."""
+    with torch.inference_mode():
+        made_in_inference = torch.ones(4)
+    for tensor in (torch.ones(4), made_in_inference):
+        alias = tensor.detach()
+        before = alias._use_count()
+        reference = collectives._second_reference(alias)
+        assert alias._use_count() == before + 1, tensor.is_inference()
+        del reference
+        assert alias._use_count() == before

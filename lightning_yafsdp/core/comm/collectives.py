@@ -45,9 +45,12 @@ _reduce_scatter_single = compat.reduce_scatter_single
 # collective aborts in ~20% of its ranks.
 # So no drop by a worker may be a tensor's last C++ reference. ``_issue`` hands the
 # collective a fresh alias of each tensor (``detach()``: same storage and version
-# counter, no other holder) and keeps a second C++ reference to the aliases
-# (``torch.ScriptList``) until the aliases' use counts show that the work let go of
-# them; the main thread (with the GIL) then drops them. The work itself is not kept:
+# counter, no other holder) and keeps a second C++ reference to each alias until the
+# aliases' use counts show that the work let go of them; the main thread (with the
+# GIL) then drops them. The second reference is a view of the alias (a view's autograd
+# metadata holds its base: ~10 us); an inference tensor's views keep no base, so for
+# one it is a ``torch.ScriptList`` (TorchScript's C++ list: ~55 us, measured per
+# collective on this machine). The work itself is not kept:
 # gloo's own temporaries (the flattened copy a reduce_scatter makes, ~a unit's grad)
 # have no Python objects and go with the work when the worker drops it. Keeping the
 # latest 8 works instead (issue 27's fix) held those temporaries: +100 MiB peak RSS per
@@ -55,7 +58,7 @@ _reduce_scatter_single = compat.reduce_scatter_single
 # worker is done with them (microseconds after the wait). At exit, ``release_at_exit``
 # waits (with the GIL released) for the workers to let go of everything still held.
 # CUDA (NCCL) collectives are not wrapped: their works run no Python-visible drops.
-_TENSORS_HELD_BY_US = 2  # the alias's own Python object + our ScriptList
+_TENSORS_HELD_BY_US = 2  # the alias's own Python object + our second reference
 
 
 class _HeldTensors:
@@ -67,7 +70,7 @@ class _HeldTensors:
     def hold(self, aliases: tuple[torch.Tensor, ...]) -> None:
         self.release_finished()
         if aliases:
-            self._held.append((torch.ScriptList(list(aliases)), aliases))
+            self._held.append((tuple(_second_reference(a) for a in aliases), aliases))
 
     def release_finished(self) -> None:
         """Let go of the entries no work refers to any more (from the main thread)."""
@@ -88,6 +91,13 @@ class _HeldTensors:
         while self._held and time.monotonic() < deadline:
             time.sleep(0.001)
             self.release_finished()
+
+
+def _second_reference(alias: torch.Tensor) -> Any:
+    """An object holding a C++ reference to ``alias`` (see the Note)."""
+    if alias.is_inference():
+        return torch.ScriptList([alias])
+    return alias.view_as(alias)
 
 
 def _let_go(aliases: tuple[torch.Tensor, ...]) -> bool:
