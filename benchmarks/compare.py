@@ -78,7 +78,11 @@ FLOOR = "floor"  # one process, no distribution: the compute floor of a step
 # yafsdp-whole: yafsdp with vocabulary-sized units kept whole (vocab_chunks=False), to
 # measure row chunks ([Note: row chunks]) side by side; only when asked for.
 WHOLE = "yafsdp-whole"
-STRATEGIES = ("yafsdp", "ddp", "fsdp2", "fsdp", "deepspeed", FLOOR, WHOLE)
+# yafsdp-ungrouped: one block per unit (blocks_per_unit=1), to measure grouped blocks
+# ([Note: grouped blocks]) side by side in one run; only when asked for.
+UNGROUPED = "yafsdp-ungrouped"
+VARIANTS = (WHOLE, UNGROUPED)
+STRATEGIES = ("yafsdp", "ddp", "fsdp2", "fsdp", "deepspeed", FLOOR, *VARIANTS)
 PEERS = ("ddp", "fsdp2", "fsdp", "deepspeed")
 LABELS = {"ddp": "DDP", "fsdp2": "FSDP2", "fsdp": "FSDP1", "deepspeed": "DeepSpeed"}
 OURS = "yafsdp"
@@ -204,7 +208,7 @@ def _make_module(cfg: dict):
             return loss
 
         def configure_optimizers(self):
-            if cfg["strategy"] in (OURS, WHOLE):
+            if cfg["strategy"] in (OURS, *VARIANTS):
                 from lightning_yafsdp.core import get_engine
 
                 params = get_engine(self).param_groups(weight_decay=0.1)
@@ -229,10 +233,10 @@ def _make_strategy(cfg: dict):
         return FSDPStrategy(auto_wrap_policy={TransformerBlock})
     if name == "deepspeed":
         return "deepspeed_stage_3"
-    if name in (OURS, WHOLE):
+    if name in (OURS, *VARIANTS):
         from lightning_yafsdp import YaFSDPStrategy
 
-        per_unit = cfg["blocks_per_unit"]
+        per_unit = cfg["blocks_per_unit"] if name != UNGROUPED else "1"
         per_unit = int(per_unit) if per_unit.isdigit() else per_unit
         return YaFSDPStrategy(vocab_chunks=name != WHOLE, blocks_per_unit=per_unit)
     return name  # "ddp"
@@ -245,7 +249,7 @@ def _timer_callback(cfg: dict, rank: int):
     cuda = cfg["accelerator"] == "cuda"
 
     def engine_of(trainer):
-        if cfg["strategy"] not in (OURS, WHOLE):
+        if cfg["strategy"] not in (OURS, *VARIANTS):
             return None
         return trainer.strategy.engine
 
@@ -843,8 +847,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--strategies",
-        default=",".join(s for s in STRATEGIES if s != WHOLE),
-        help=f"comma-separated subset to run (also {WHOLE}: yafsdp, vocab_chunks=False)",
+        default=",".join(s for s in STRATEGIES if s not in VARIANTS),
+        help=f"comma-separated subset to run (also {WHOLE}: yafsdp, vocab_chunks=False; "
+        f"{UNGROUPED}: yafsdp, blocks_per_unit=1)",
     )
     parser.add_argument(
         "--no-memory-pass",
