@@ -61,6 +61,7 @@ CLASS_PATH_NAMES = ("lightning_yafsdp.yafsdpstrategy", "lightning_yafsdp.strateg
 
 def _register_trainer() -> None:
     _read_sharded_directories_in_load_from_checkpoint()
+    _name_the_right_class_for_a_strategy_of_the_other_front_door(_TRAINER)
     from lightning.pytorch.strategies import StrategyRegistry
 
     _register_strategy_module("lightning_yafsdp.strategy", StrategyRegistry)
@@ -77,6 +78,7 @@ def _register_trainer() -> None:
 def _register_fabric() -> None:
     from lightning.fabric.strategies import STRATEGY_REGISTRY
 
+    _name_the_right_class_for_a_strategy_of_the_other_front_door(_FABRIC)
     _register_strategy_module("lightning_yafsdp.fabric", STRATEGY_REGISTRY)
 
 
@@ -177,6 +179,71 @@ def _reading_sharded_directories(reader: Callable[..., Any]) -> Callable[..., An
 
     read_checkpoint._yafsdp_reads_sharded_directories = True  # type: ignore[attr-defined]
     return read_checkpoint
+
+
+# [Note: the other front door's strategy] The Trainer and Fabric each take only their own
+# Strategy base class, and both of ours are named YaFSDPStrategy:
+# Fabric(strategy=lightning_yafsdp.YaFSDPStrategy()) got Lightning's generic "You selected
+# an invalid strategy name: `strategy=<...object at 0x...>`", which does not say that the
+# other class exists. Lightning offers no hook before that check, so the method that makes
+# it (each connector's ``_check_config_and_set_final_flags``, private, named in
+# STRATEGY_CHECKS) is wrapped to refuse our other class first with one line naming the
+# right one; anything else reaches Lightning's own check unchanged.
+# tests/test_strategy_front_doors.py fails if a Lightning release renames the method.
+STRATEGY_CHECKS = {
+    _TRAINER: (
+        "lightning.pytorch.trainer.connectors.accelerator_connector",
+        "_AcceleratorConnector",
+    ),
+    _FABRIC: ("lightning.fabric.connector", "_Connector"),
+}
+STRATEGY_CHECK_METHOD = "_check_config_and_set_final_flags"
+# front door -> (the module of the other front door's class, the call, whose class it is,
+# what this front door takes, the class to use)
+_OTHER_CLASS = {
+    _TRAINER: (
+        "lightning_yafsdp.fabric.strategy",
+        "Trainer(strategy=lightning_yafsdp.fabric.YaFSDPStrategy(...))",
+        "Fabric's",
+        "the Trainer runs only lightning.pytorch strategies",
+        "lightning_yafsdp.YaFSDPStrategy",
+    ),
+    _FABRIC: (
+        "lightning_yafsdp.strategy",
+        "Fabric(strategy=lightning_yafsdp.YaFSDPStrategy(...))",
+        "the Trainer's",
+        "Fabric runs only lightning.fabric strategies",
+        "lightning_yafsdp.fabric.YaFSDPStrategy",
+    ),
+}
+
+
+def _name_the_right_class_for_a_strategy_of_the_other_front_door(front_door: str) -> None:
+    """Wrap the connector's strategy check of ``front_door`` (see the note). Idempotent."""
+    module_name, class_name = STRATEGY_CHECKS[front_door]
+    connector = getattr(importlib.import_module(module_name), class_name, None)
+    check = getattr(connector, STRATEGY_CHECK_METHOD, None)
+    if check is None or getattr(check, "_yafsdp_names_the_right_class", False):
+        return  # renamed in this release: Lightning's own error stays (a test says so)
+
+    @functools.wraps(check)
+    def check_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_the_other_front_doors_strategy(kwargs.get("strategy"), front_door)
+        return check(self, *args, **kwargs)
+
+    check_config._yafsdp_names_the_right_class = True  # type: ignore[attr-defined]
+    setattr(connector, STRATEGY_CHECK_METHOD, check_config)
+
+
+def refuse_the_other_front_doors_strategy(strategy: Any, front_door: str) -> None:
+    """Raise ValueError if ``strategy`` is our strategy for the other front door."""
+    other_module, call, whose, takes, right_class = _OTHER_CLASS[front_door]
+    other = getattr(sys.modules.get(other_module), "YaFSDPStrategy", None)
+    if other is not None and isinstance(strategy, other):
+        raise ValueError(
+            f"{call} got {whose} strategy class, and {takes}: use {right_class}(...) "
+            'with the same arguments, or strategy="yafsdp"'
+        )
 
 
 def _as_lightning_checkpoint(checkpoint: Any) -> Any:

@@ -355,3 +355,58 @@ def test_a_constant_from_python_data_stays_meta_and_keeps_its_value():
     assert scale.is_meta and mixed.is_meta
     assert value_from_constructor(scale).item() == 2.5
     assert value_from_constructor(mixed) is None  # computed, not data: the init guard's
+
+
+class _ConstructorValues(nn.Module):
+    """A constant from Python data (kind 1) and a legacy draw (kind 2) beside two blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.scale = nn.Parameter(torch.tensor(2.0))
+        self.gain = nn.Parameter(torch.Tensor(8).uniform_())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x * self.gain * self.scale
+
+
+def _registries() -> tuple[int, int]:
+    from lightning_yafsdp.core.plan import meta_build
+
+    return len(meta_build._made_under_meta), len(meta_build._values_of_meta)
+
+
+def _kept_constructor_values_run() -> dict:
+    from lightning_yafsdp.core import shard_model
+    from lightning_yafsdp.core.plan.meta_build import meta_device
+
+    gen = torch.Generator().manual_seed(5)
+    rows = [{"x": torch.randn(8, generator=gen), "y": torch.randn(8, generator=gen)}
+            for _ in range(4)]  # fmt: skip
+    before = _registries()
+    run = fit("yafsdp", _ConstructorValues, _stage_loss, rows, eager=False, world_size=2, steps=2)
+    after_fit = _registries()
+    # Two modules built before either is sharded: sharding one keeps the other's values.
+    with meta_device():
+        first, second = _ConstructorValues(), _ConstructorValues()
+    built = _registries()
+    shard_model(first)
+    after_first = _registries()
+    shard_model(second)
+    return {
+        "error": run["error"], "scale": run["initial"]["model.scale"].item(),
+        "counts": [before, after_fit, built, after_first, _registries()],
+    }  # fmt: skip
+
+
+def test_the_constructor_values_of_a_model_are_dropped_once_it_is_sharded():
+    for facts in dist_run(2, _kept_constructor_values_run, timeout_s=120):
+        assert facts["error"] is None, facts["error"]
+        assert facts["scale"] == 2.0  # the kept value was used before it was dropped
+        before, after_fit, built, after_first, after_second = facts["counts"]
+        assert after_fit == before, facts["counts"]  # the Trainer's model, sharded
+        assert built == (before[0] + 2, before[1] + 2), facts["counts"]
+        assert after_first == (before[0] + 1, before[1] + 1), facts["counts"]
+        assert after_second == before, facts["counts"]

@@ -9,10 +9,12 @@ before they were sharded.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_yafsdp.adapters.options import ShardingOptions
@@ -50,6 +52,8 @@ def shard_module(
         check_still_sharded(module, existing)
         return existing
     check_single_device(module)
+    if options.activation_checkpointing is not None:
+        train_without_kv_cache(module)
     built_on_meta = any(p.is_meta for p in module.parameters())
     if not built_on_meta:
         # [Note: meta buffers beside loaded parameters] in core/plan/materialize.py. The seed
@@ -82,6 +86,37 @@ def shard_module(
         param_init_fn=options.param_init_fn or getattr(module, "init_submodule", None),
         model_init=hf_model_init,
     )
+
+
+def train_without_kv_cache(module: nn.Module) -> None:
+    """Turn off the default KV cache of the Hugging Face models in ``module``, with a warning.
+
+    [Note: no KV cache under activation checkpointing] A checkpointed block runs its
+    forward again in backward; a block that appends its keys and values to a cache
+    (``use_cache=True``, the default of every HF causal LM config) appends them a second
+    time, and the recomputed attention sees twice the keys: a shape error in backward
+    under a padding mask, and a result right only by luck without one. Hugging Face's own
+    activation checkpointing (``activation_checkpointing_enable()``, formerly
+    ``gradient_checkpointing_enable()``) sets ``use_cache=False`` while training, with a
+    warning; so do we, on the config, so the forward and its recomputation agree (both
+    build no cache). A call that passes ``use_cache=True`` itself (generation) still gets
+    a cache; without gradients nothing is recomputed.
+    """
+    transformers = sys.modules.get("transformers")  # not imported: no HF model here
+    if transformers is None:
+        return
+    configs = {}
+    for submodule in module.modules():
+        if isinstance(submodule, transformers.PreTrainedModel) and submodule.config.use_cache:
+            configs.setdefault(id(submodule.config), (submodule.config, type(submodule).__name__))
+    for config, owner in configs.values():
+        config.use_cache = False
+        rank_zero_warn(
+            f"activation_checkpointing recomputes each block in backward, where the KV cache "
+            f"of {owner} would be written a second time: its config.use_cache is now False, "
+            "as under Hugging Face's own activation_checkpointing_enable() (pass use_cache=True to "
+            "the calls that need a cache, such as generation)"
+        )
 
 
 def place_module(module: nn.Module, engine: YaFSDPEngine, device: torch.device) -> None:

@@ -26,6 +26,16 @@ constructor itself, and three kinds are common enough to keep:
    parametrize turns into originals through the parametrization's ``right_inverse``
    (``g = ||w||``, ``v = w``): exactly what the constructor did to its eager weight.
 Anything else the constructor computes stays refused by the init guard, with the fix.
+
+The registries of kinds 1 and 2 are read only while ``shard_model`` plans, checks,
+broadcasts and materializes (``constructor_values``, ``value_from_constructor``); after
+that the module's tensors are sharded and no longer the ones the registries know. So
+``shard_model`` takes the entries of the module's own parameters and buffers when it
+starts (``constructor_keys``) and drops them when it is done (``forget_constructor_values``):
+a registry entry holds a tensor, and would otherwise hold it for the life of the process.
+Entries of another module built under the same context and not sharded yet stay. A
+temporary the constructor made and dropped (never a parameter or buffer) is no one's and
+stays, bounded by ``CONSTRUCTOR_VALUE_MAX_NUMEL`` elements each.
 """
 
 from __future__ import annotations
@@ -102,6 +112,27 @@ def constructor_values(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
         for name, p in params
         if not p.is_meta and p.numel() and p.untyped_storage().data_ptr() in _made_under_meta
     ]
+
+
+def constructor_keys(module: nn.Module) -> tuple[set[int], set[int]]:
+    """The registry keys of ``module``'s own parameters and buffers: (kind 2, kind 1)."""
+    real, meta = set(), set()
+    for tensor in (*module.parameters(), *module.buffers()):
+        storage = tensor.untyped_storage()
+        if tensor.is_meta:
+            meta.add(storage._cdata)
+        elif tensor.numel():
+            real.add(storage.data_ptr())
+    return real & _made_under_meta.keys(), meta & _values_of_meta.keys()
+
+
+def forget_constructor_values(keys: tuple[set[int], set[int]]) -> None:
+    """Drop the entries ``constructor_keys`` gave, once their module is sharded."""
+    real, meta = keys
+    for key in real:
+        _made_under_meta.pop(key, None)
+    for key in meta:
+        _values_of_meta.pop(key, None)
 
 
 def init_parametrized_weights(module: nn.Module) -> bool:
