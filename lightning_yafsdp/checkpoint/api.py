@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.background import BackgroundSaver
 from lightning_yafsdp.checkpoint.full import load_full, save_full
 from lightning_yafsdp.checkpoint.optimizer_state import optimizer_entry
@@ -71,9 +72,10 @@ def load_checkpoint(
         NotACheckpointError, DamagedCheckpointError, CheckpointMismatchError.
     """
     path = Path(path)
-    if not path.is_file():  # load_sharded recovers an interrupted commit, then verifies
-        return load_sharded(
-            path, engine, optimizers=optimizers, strict=strict, verify_checksums=verify_checksums
-        )
+    # A save killed between its two renames ([Note: atomic commit]) is undone first.
+    error = atomic.attempt(lambda: atomic.recover(path)) if engine.rank == 0 else None
+    atomic.agree(error, group=engine.group, doing=f"recovering checkpoint {path}")
     verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
-    return load_full(path, engine, optimizers=optimizers, strict=strict, expected=expected)
+    if path.is_file():
+        return load_full(path, engine, optimizers=optimizers, strict=strict, expected=expected)
+    return load_sharded(path, engine, optimizers=optimizers, strict=strict)

@@ -31,8 +31,8 @@ from lightning_yafsdp.core import YaFSDPEngine
 STATE_DICT_KEY = "state_dict"
 OPTIMIZER_STATES_KEY = "optimizer_states"
 # Written by fabric.save: {"module": key, "optimizers": [key, ...], "entries": [...]}, the
-# names under which the weights and optimizer states sit ([Note: one checkpoint format
-# for Fabric and the Trainer] in fabric_format.py).
+# names of the weights and optimizer states ([Note: one checkpoint format for Fabric and
+# the Trainer]).
 FABRIC_KEYS = "yafsdp_fabric"
 
 
@@ -43,21 +43,20 @@ def save_full(
     optimizer_states: Sequence[Mapping[str, Any]],
     *,
     extra: Mapping[str, Any] | None = None,
-    fabric_keys: Mapping[str, Any] | None = None,
 ) -> None:
     """Write one ``torch.save`` file (collective: sharded tensors in ``extra`` are gathered;
     atomic: rank 0 writes). ``model_state`` / ``optimizer_states``: full on rank 0, in
-    torch's layouts. ``fabric_keys``: Fabric's layout, every entry under the user's key.
+    torch's layouts. With ``extra[FABRIC_KEYS]``: Fabric's layout, under the user's keys.
     Raises ``CheckpointSaveError`` on every rank when rank 0 failed to write.
     """
+    checkpoint = dict(extra or {})
+    fabric_keys = checkpoint.get(FABRIC_KEYS)
     if fabric_keys is None:  # Lightning's layout
-        checkpoint = {**dict(extra or {}), STATE_DICT_KEY: dict(model_state)}
+        checkpoint[STATE_DICT_KEY] = dict(model_state)
         checkpoint[OPTIMIZER_STATES_KEY] = list(optimizer_states)
     else:
-        optimizer_keys = list(fabric_keys["optimizers"])
-        checkpoint = {**dict(extra or {}), fabric_keys["module"]: dict(model_state)}
-        checkpoint.update(zip(optimizer_keys, optimizer_states, strict=True))
-        checkpoint[FABRIC_KEYS] = dict(fabric_keys)
+        checkpoint[fabric_keys["module"]] = dict(model_state)
+        checkpoint.update(zip(fabric_keys["optimizers"], optimizer_states, strict=True))
     checkpoint = gather_shards(engine, checkpoint)
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states))
     needed = tensor_bytes(checkpoint) if engine.rank == 0 else 0  # for a failure's message

@@ -36,11 +36,7 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     optimizer_state_to_load,
 )
 from lightning_yafsdp.checkpoint.state import check_targets, module_state
-from lightning_yafsdp.checkpoint.verify import (
-    META_FILENAME,
-    verify_on_rank_zero,
-    write_manifest,
-)
+from lightning_yafsdp.checkpoint.verify import META_FILENAME, write_manifest
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
@@ -184,17 +180,15 @@ def load_sharded(
     *,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
-    verify_checksums: bool = True,
 ) -> dict[str, Any]:
-    """Load a sharded checkpoint of any world size into ``engine`` and ``optimizers``.
+    """Load a verified sharded checkpoint of any world size (collective).
 
-    Collective. Files are verified, then names, shapes and the optimizer count checked
-    against ``.metadata``, before one ``dcp.load`` reads the weights in place and the
-    optimizer states into fresh pieces. Returns ``meta.pt``'s contents and the
-    ``"sharded_keys"`` entries (as ``RangeShardedTensor``s).
+    Names, shapes and the optimizer count are checked against ``.metadata`` before one
+    ``dcp.load`` reads the weights in place and the optimizer states into fresh pieces.
+    Returns ``meta.pt``'s contents and the ``"sharded_keys"`` entries (sharded).
     """
     path = Path(path)
-    layout = _verified_layout(path, engine, verify_checksums=verify_checksums)
+    layout = CheckpointLayout(FileSystemReader(path).read_metadata())
     meta = read_meta(path)
     names = ParamNames(engine)
     model = module_state(engine)
@@ -239,14 +233,6 @@ def _target(
     if isinstance(like, RangeShardedTensor) and torch.Size(md.size) == like.shape:
         return like.detach().clone()
     return torch.empty(md.size, dtype=md.properties.dtype)
-
-
-def _verified_layout(path: Path, engine: YaFSDPEngine, *, verify_checksums: bool) -> Any:
-    """Recover an interrupted commit, verify every file, then read ``.metadata`` (collective)."""
-    error = atomic.attempt(lambda: atomic.recover(path)) if engine.rank == 0 else None
-    atomic.agree(error, group=engine.group, doing=f"recovering checkpoint {path}")
-    verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
-    return CheckpointLayout(FileSystemReader(path).read_metadata())
 
 
 class CheckpointLayout:
