@@ -48,8 +48,8 @@ def map_leaves(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> An
 def sharded_leaves(tree: Any) -> list[tuple[Path, RangeShardedTensor]]:
     """Every ``RangeShardedTensor`` in ``tree`` with its path, in tree order."""
     found: list[tuple[Path, Any]] = []
-    map_leaves(tree, lambda path, v: found.append((path, v)) if _is_sharded(v) else None)
-    return found
+    map_leaves(tree, lambda path, v: found.append((path, v)))
+    return [(path, v) for path, v in found if isinstance(v, RangeShardedTensor)]
 
 
 def describe_path(path: Path) -> str:
@@ -65,17 +65,13 @@ def tensor_bytes(tree: Any, *, whole: bool = True) -> int:
 
     def count(_: Path, value: Any) -> None:
         nonlocal total
-        if _is_sharded(value):
+        if isinstance(value, RangeShardedTensor):
             total += value._local.nbytes
         elif isinstance(value, torch.Tensor) and whole:
             total += value.nbytes
 
     map_leaves(tree, count)
     return total
-
-
-def _is_sharded(value: Any) -> bool:
-    return isinstance(value, RangeShardedTensor)
 
 
 def world_info(group=None) -> tuple[int, int]:

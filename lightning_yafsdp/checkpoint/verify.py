@@ -53,21 +53,10 @@ _CHANGED = "its contents changed after the save (if on purpose, load with verify
 
 
 def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> str:
-    """Raise if a checkpoint directory or file is incomplete; read no tensors.
-
-    Args:
-        path: a sharded checkpoint directory or a single-file checkpoint.
-        checksums: also compare every file of a directory with the CRC-32 recorded at
-            save, and every entry of a single (zip) file with the CRC-32 torch stored for
-            it; this reads every byte. Default False: sizes and structure only.
-
-    Returns:
-        What was checked (``inspect`` shows it).
-
-    Raises:
-        NotACheckpointError: ``path`` does not exist or is no checkpoint.
-        DamagedCheckpointError: one line naming the bad file, what is wrong with it and
-            which checkpoints next to it can be loaded instead.
+    """Raise if a checkpoint directory or file is incomplete, reading no tensors; with
+    ``checksums`` also compare every file's (a zip's every entry's) CRC-32, reading every
+    byte. Returns what was checked (``inspect`` shows it). Raises ``NotACheckpointError``
+    or ``DamagedCheckpointError`` (one line: the bad file, what is wrong, what to load).
     """
     path = Path(path)
     if path.is_file():
