@@ -7,13 +7,7 @@ Torch-level API (the Lightning and Fabric strategies wire the same functions in)
     save_checkpoint("ckpt/step-1000", engine, optimizers=[opt], extra={"step": 1000})
     extra = load_checkpoint("ckpt/step-1000", engine, optimizers=[opt])  # any world size
 
-A sharded checkpoint (``sharded.py``) is a ``torch.distributed.checkpoint`` directory
-whose tensors have the original names and full shapes, written through DCP's own
-protocol with DCP's default planners ([Note: element ranges as boxes]), plus ``meta.pt``:
-the layout of Lightning's FSDP strategy. Optimizer state is per parameter, by name
-(``optimizer_state.py``); a full file (``full.py``) uses torch's own layouts, so DDP
-loads it. Saves are atomic (``atomic.py``), optionally in the background
-(``background.py``); every reader first verifies the files (``verify.py``).
+The layout, the guarantees and the notes: docs/design.md, "Checkpoints".
 """
 
 from lightning_yafsdp.checkpoint.api import load_checkpoint, save_checkpoint
@@ -29,12 +23,11 @@ from lightning_yafsdp.checkpoint.errors import (
     DamagedCheckpointError,
     NotACheckpointError,
 )
-from lightning_yafsdp.checkpoint.full import load_full, save_full
 from lightning_yafsdp.checkpoint.optimizer_state import (
     full_optimizer_state_dict,
     sharded_optimizer_state_dict,
 )
-from lightning_yafsdp.checkpoint.sharded import is_sharded_checkpoint, load_sharded, save_sharded
+from lightning_yafsdp.checkpoint.sharded import is_sharded_checkpoint
 from lightning_yafsdp.checkpoint.state import full_model_state_dict, load_full_model_state_dict
 from lightning_yafsdp.checkpoint.verify import verify_checkpoint
 
@@ -51,12 +44,8 @@ __all__ = [
     "inspect_checkpoint",
     "is_sharded_checkpoint",
     "load_checkpoint",
-    "load_full",
     "load_full_model_state_dict",
-    "load_sharded",
     "save_checkpoint",
-    "save_full",
-    "save_sharded",
     "sharded_optimizer_state_dict",
     "verify_checkpoint",
 ]

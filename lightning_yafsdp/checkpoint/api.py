@@ -1,8 +1,4 @@
-"""One save and one load for both kinds of checkpoint (the strategies call these two).
-
-Every sharded tensor anywhere in what is saved (a callback's entries too) is written
-sharded (``"sharded"``) or gathered to a full tensor (``"full"``).
-"""
+"""One save and one load for both kinds of checkpoint (the strategies call these two)."""
 
 from __future__ import annotations
 
@@ -13,10 +9,12 @@ from typing import Any
 
 import torch
 
+from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.background import BackgroundSaver
 from lightning_yafsdp.checkpoint.full import load_full, save_full
+from lightning_yafsdp.checkpoint.optimizer_state import optimizer_entry
 from lightning_yafsdp.checkpoint.sharded import load_sharded, save_sharded
-from lightning_yafsdp.checkpoint.state import StateDictType
+from lightning_yafsdp.checkpoint.state import StateDictType, model_entry
 from lightning_yafsdp.checkpoint.verify import verify_on_rank_zero
 from lightning_yafsdp.core import YaFSDPEngine
 
@@ -34,20 +32,23 @@ def save_checkpoint(
 ) -> None:
     """Save ``engine``'s weights and ``optimizers``' state (collective, atomic).
 
-    ``"sharded"`` (default): a DCP directory at ``path``, every rank writing its own
-    elements (``save_sharded``; ``background``: written in that saver's thread).
-    ``"full"``: one ``torch.save`` file at ``path`` written by rank 0, gathered one
-    tensor at a time (``save_full``). ``extra`` (picklable) comes back from
-    ``load_checkpoint``; ``model_state`` / ``optimizer_states``: see ``save_sharded``.
+    ``"sharded"`` (default): a DCP directory, every rank writing its own elements
+    (``background``: written in that saver's thread). ``"full"``: one ``torch.save``
+    file written by rank 0. ``extra`` (picklable; sharded tensors in it are written
+    sharded or gathered) comes back from ``load_checkpoint``. ``model_state`` /
+    ``optimizer_states``: ready entries (``model_entry`` / ``optimizer_entry`` of the
+    same kind) instead of the engine's and ``optimizers``'.
     """
-    kwargs = dict(optimizers=optimizers, extra=extra, model_state=model_state)
-    kwargs["optimizer_states"] = optimizer_states
-    if state_dict_type == "sharded":
-        save_sharded(path, engine, **kwargs, background=background)
-    elif state_dict_type == "full":
-        save_full(path, engine, **kwargs)
-    else:
+    if state_dict_type not in ("sharded", "full"):
         raise ValueError(f"state_dict_type must be 'sharded' or 'full', got {state_dict_type!r}")
+    if model_state is None:
+        model_state = model_entry(engine, engine.root, state_dict_type)
+    if optimizer_states is None:
+        optimizer_states = [optimizer_entry(engine, o, state_dict_type) for o in optimizers]
+    if state_dict_type == "full":
+        save_full(path, engine, model_state, optimizer_states, extra=extra)
+    else:
+        save_sharded(path, engine, model_state, optimizer_states, extra, background=background)
 
 
 def load_checkpoint(
@@ -59,25 +60,22 @@ def load_checkpoint(
     verify_checksums: bool = True,
     expected: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Load a sharded directory or a full file into ``engine`` (and ``optimizers``).
+    """Load a sharded directory or a single file (ours, DDP's, a consolidated one, a bare
+    state dict) into ``engine`` and ``optimizers``, at any world size (collective).
 
-    Collective; works at any world size. Every file is first verified on rank 0 and,
-    unless ``verify_checksums=False``, compared with the checksums recorded at save, so a
-    damaged checkpoint is named once and nothing is loaded from it. ``path`` may also be
-    a single-file checkpoint of another strategy (DDP, a consolidated one, a bare state
-    dict; ``expected``: the entry names of a Fabric file, see ``split_full_checkpoint``).
+    Every file is verified first, with its checksums unless ``verify_checksums=False``,
+    and names and shapes are checked, so nothing is loaded from a damaged or mismatched
+    checkpoint. ``expected``: the entry names of a Fabric file (``split_full_checkpoint``).
     Returns ``extra`` (for a Lightning checkpoint: all but weights and optimizer states).
 
     Raises:
         NotACheckpointError, DamagedCheckpointError, CheckpointMismatchError.
     """
     path = Path(path)
-    if not path.is_file():  # load_sharded recovers an interrupted commit, then verifies
-        return load_sharded(
-            path, engine, optimizers=optimizers, strict=strict, verify_checksums=verify_checksums
-        )
+    # A save killed between its two renames ([Note: atomic commit]) is undone first.
+    error = atomic.attempt(lambda: atomic.recover(path)) if engine.rank == 0 else None
+    atomic.agree(error, group=engine.group, doing=f"recovering checkpoint {path}")
     verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
-    return load_full(
-        path, engine, optimizers=optimizers, strict=strict, expected=expected,
-        verify_checksums=False,  # just compared, shared over the ranks
-    )
+    if path.is_file():
+        return load_full(path, engine, optimizers=optimizers, strict=strict, expected=expected)
+    return load_sharded(path, engine, optimizers=optimizers, strict=strict)

@@ -1,35 +1,26 @@
 """Atomic checkpoint writes: a checkpoint becomes visible only when complete.
 
 [Note: atomic commit]
-Every save writes into a hidden sibling, ``.<name>.yafsdp-tmp``, in the target's
-directory (same filesystem, so the final rename is atomic), fsyncs every file
-(DCP's writer fsyncs the shards; we fsync the rest) and the directory, and only
-then renames it to ``<name>``. A checkpoint that already exists under that name
-is first renamed to ``.<name>.yafsdp-old`` and deleted after the new one is in
-place: POSIX cannot atomically replace a non-empty directory, so for the two
-renames' instant the old checkpoint lives under the ``-old`` name, and
-``recover`` (run by every save and load) renames it back if the process died
-right there. A process killed at any other point leaves the previous checkpoint
-untouched and a ``-tmp`` sibling that the next save of the same name deletes
-and that readers never look at.
+A save writes into a hidden sibling, ``.<name>.yafsdp-tmp`` (same filesystem, so the
+rename is atomic), fsyncs every file and directory, then renames it to ``<name>``. POSIX
+cannot atomically replace a non-empty directory, so an existing checkpoint is first
+renamed to ``.<name>.yafsdp-old`` and deleted after the new one is in place; ``recover``
+(run by every save and load) renames it back if the process died between the renames.
+A kill at any other point leaves the previous checkpoint untouched and a ``-tmp``
+sibling that readers ignore and the next save of that name deletes.
 
 [Note: file modes]
-Some writers create private files (safetensors' writer makes them 0600), and a
-checkpoint or export that only its writer can read surprises whoever shares the
-run directory. Before the commit every committed file gets the mode a plain
-``open()`` would give, ``0o666 & ~umask``, and every directory ``0o777 & ~umask``.
+Some writers create private files (safetensors: 0600). Before the commit every file
+gets the mode a plain ``open()`` gives, ``0o666 & ~umask`` (directories ``0o777``).
 
 [Note: a failed write is one line]
-Ranks agree on the outcome of each phase with one object all-gather of error
-messages (``agree``), so a failure on one rank (an unwritable path, a full disk)
-raises the same ``CheckpointSaveError`` on every rank instead of leaving the others
-waiting in a collective. A write error inside DCP comes back as one
-``CheckpointException`` (a ``BaseException``, so ``except Exception`` lets it through)
-holding every rank's traceback: 200+ lines naming no checkpoint. ``agree`` takes it
-apart into one ``rank r: Type: first line`` per failed rank, and the write phase's
-message says what a retry needs: the bytes the checkpoint takes (each rank's share,
-summed), what is free on that filesystem, and that the previous checkpoint stays in
-place until the new one is complete, so replacing one needs room for both at once.
+Ranks agree on each phase's outcome with one object all-gather of error messages
+(``agree``), so a failure on one rank raises the same ``CheckpointSaveError`` on every
+rank instead of leaving the others in a collective. DCP's write error is one
+``CheckpointException`` (a ``BaseException``) holding every rank's traceback, 200+
+lines naming no checkpoint: ``agree`` makes it one ``rank r: Type: first line`` per
+failed rank, plus what a retry needs: the checkpoint's bytes, what is free there, and
+that the previous checkpoint stays until the new one is complete (room for both).
 """
 
 from __future__ import annotations
@@ -71,7 +62,7 @@ def recover(path: Path) -> None:
     old = old_path_for(path)
     if old.exists() and not path.exists():
         os.replace(old, path)
-        fsync_directory(path.parent)
+        fsync(path.parent)
 
 
 @contextlib.contextmanager
@@ -228,22 +219,17 @@ def apply_default_modes(path: Path) -> None:
             _chmod(Path(root) / name, 0o666 & ~mask)
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync(path: Path) -> None:
+    """Persist a file's data or a directory's entries (best effort for a directory)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_directory(path: Path) -> None:
-    """Persist a directory's entries (renames, new files); a no-op where unsupported."""
-    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
 
 
 def attempt(fn: Callable[[], None]) -> BaseException | None:
@@ -279,21 +265,17 @@ def _prepare(path: Path, tmp: Path, *, directory: bool) -> None:
 
 def _commit(tmp: Path, path: Path) -> None:
     apply_default_modes(tmp)
-    if tmp.is_file():
-        fsync_file(tmp)
-    for root, _, files in os.walk(tmp):  # a directory: every file, then the directory
-        for name in files:
-            fsync_file(Path(root) / name)
-        fsync_directory(Path(root))
+    for item in [*tmp.rglob("*"), tmp] if tmp.is_dir() else [tmp]:
+        fsync(item)
     if path.exists() and (path.is_dir() or tmp.is_dir()):
         old = old_path_for(path)
         os.replace(path, old)
         os.replace(tmp, path)
-        fsync_directory(path.parent)
+        fsync(path.parent)
         _remove(old)
     else:
         os.replace(tmp, path)
-    fsync_directory(path.parent)
+    fsync(path.parent)
 
 
 def _remove(path: Path) -> None:

@@ -1,29 +1,18 @@
 """Background saves: staged on the main thread, written in a thread on a gloo group of their own.
 
 [Note: background saves]
-``YaFSDPStrategy(async_save=True)`` (Trainer and Fabric) returns from a sharded save as
-soon as the state is STAGED: every ``RangeShardedTensor`` piece, plain tensor and object
-of the DCP state dict copied to CPU (``stage``), ``meta.pt`` pickled to bytes. Training
-then goes on and may change parameters and optimizer state in place; the copy is what
-gets written. One worker thread runs the same write as a synchronous save ([Note: atomic
-commit]: DCP's files, ``meta.pt``, the checksum manifest, then the rename), so the
-commit and the manifest happen when the write is complete, and a kill -9 at any moment
-leaves the previous checkpoint intact.
-
-The thread's collectives (DCP's plan exchange, the manifest's gather, the ranks'
-agreement on the outcome) run on a gloo group created for it, never on the training
-group: two threads issuing collectives on one group would interleave them. torchtitan
-does the same with ``dcp.async_save`` on a gloo group. We do not call ``dcp.async_save``:
-its default stager reads raw storage (``data_ptr``), which a RangeShardedTensor refuses
-on purpose, and its future completes before the manifest and the commit, which must run
-in the same thread after the write. Lightning's ``AsyncCheckpointIO`` cannot carry it
-either: it runs a per-rank ``CheckpointIO`` save without a process group, and a sharded
-save is collective.
-
-One save at a time: the next save, a load and the end of training ``wait()`` for the one
-in flight. A failed write (the same one line on every rank, [Note: a failed write is one
-line]) is never lost: ``poll()`` hands its line out once, at the next training step, and
-``wait()`` raises it at the next save, load or end of fit, on every rank at the same point.
+With ``async_save=True`` a sharded save returns once the DCP state dict is STAGED
+(copied to CPU, ``stage``) and ``meta.pt`` pickled; training may then change the model in
+place. One worker thread runs the synchronous save's write ([Note: atomic commit]: DCP's
+files, ``meta.pt``, the manifest, the rename), so a kill -9 at any moment leaves the
+previous checkpoint intact. Its collectives run on a gloo group created for it (two
+threads on one group would interleave their collectives), as torchtitan does. Not
+``dcp.async_save``: its stager reads raw storage (``data_ptr``), which a
+``RangeShardedTensor`` refuses, and its future completes before the manifest and commit.
+Not Lightning's ``AsyncCheckpointIO``: it runs a per-rank save, and ours is collective.
+One save at a time: the next save, a load and the end of training ``wait()``. A failed
+write is never lost: ``poll()`` gives its line once at the next step, and ``wait()``
+raises it at the next save, load or end of fit, on every rank at the same point.
 """
 
 from __future__ import annotations

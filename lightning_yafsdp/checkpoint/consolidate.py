@@ -1,12 +1,4 @@
-"""Consolidate and inspect checkpoints in ONE process, no process group needed.
-
-``consolidate_checkpoint`` reads a sharded directory into the dict Lightning's
-consolidation utility produces (``"model"``, ``"optimizer_<i>"``, plus ``meta.pt``'s
-contents) the way it and torch's ``dcp_to_torch_save`` do: DCP's
-``_EmptyStateDictLoadPlanner``, which builds full-shape targets from ``.metadata``.
-``inspect_checkpoint`` says what a checkpoint is without reading its tensors. Exports
-(safetensors, Hugging Face) are ``lightning_yafsdp.export``.
-"""
+"""Consolidate and inspect checkpoints in ONE process, no process group needed."""
 
 from __future__ import annotations
 
@@ -21,27 +13,24 @@ from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from lightning_yafsdp.checkpoint import atomic
-from lightning_yafsdp.checkpoint.errors import NotACheckpointError
 from lightning_yafsdp.checkpoint.full import read_file, split_full_checkpoint
 from lightning_yafsdp.checkpoint.sharded import (
     FORMAT_KEY,
     MODEL_KEY,
     MODEL_PARALLEL_MODEL_KEY,
     CheckpointLayout,
-    is_sharded_checkpoint,
     read_meta,
 )
-from lightning_yafsdp.checkpoint.verify import describe_non_checkpoint, verify_checkpoint
+from lightning_yafsdp.checkpoint.verify import verify_checkpoint
 
 
 def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = False) -> dict:
-    """Read a whole checkpoint into one dict of full tensors (one process, all in CPU memory).
+    """Read a whole checkpoint into one dict of full tensors in CPU memory.
 
-    A sharded directory gives ``{"model": {name: tensor}, "optimizer_0": {...}, **meta.pt}``
-    (with ``weights_only``, the model entry alone); a single file is returned as loaded.
-
-    Raises:
-        DamagedCheckpointError: a file is missing or truncated (checked before reading).
+    A sharded directory gives what Lightning's consolidation utility and torch's
+    ``dcp_to_torch_save`` give (the same DCP planner), ``{"model": {name: tensor},
+    "optimizer_0": {...}, **meta.pt}`` (``weights_only``: the model entry alone); a single
+    file is returned as loaded. Raises ``DamagedCheckpointError`` before reading a bad one.
     """
     path = Path(path)
     atomic.recover(path)
@@ -50,8 +39,6 @@ def consolidate_checkpoint(path: str | os.PathLike, *, weights_only: bool = Fals
     verify_checkpoint(path)
     if path.is_file():
         return read_file(path)
-    if not is_sharded_checkpoint(path):
-        raise NotACheckpointError(describe_non_checkpoint(path))
     checkpoint: dict[str, Any] = {}
     keys = {MODEL_KEY, MODEL_PARALLEL_MODEL_KEY} if weights_only else None
     planner = _EmptyStateDictLoadPlanner(keys=keys)  # fills ``checkpoint`` in place
@@ -68,19 +55,12 @@ def consolidated_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, Any]:
-    """What a checkpoint is, without reading its tensors (unless ``checksums``).
+    """What a checkpoint is, without reading its tensors (``checksums``: CRC-32s compared).
 
-    Args:
-        path: a sharded checkpoint directory or a single-file checkpoint.
-        checksums: also compare every file with the CRC-32 recorded at save (reads every
-            byte); default False checks sizes and structure only.
-
-    Returns:
-        ``path``, ``kind`` ("sharded" or "full"), ``step`` (Lightning's ``global_step``,
-        else an ``extra["step"]``), ``epoch``, ``world_size`` and ``shard_size`` (None for
-        foreign files), ``parameter_count`` (of the sharded parameters, or every floating
-        weight when unknown), ``num_tensors``, ``tensor_names`` (weights),
-        ``num_optimizers``, ``size_bytes`` (on disk), ``verified`` (what was checked).
+    Returns ``path``, ``kind`` ("sharded"/"full"), ``step`` (``global_step``, else
+    ``extra["step"]``), ``epoch``, ``world_size`` and ``shard_size`` (None for foreign
+    files), ``parameter_count`` (sharded parameters, else every floating weight),
+    ``num_tensors``, ``tensor_names``, ``num_optimizers``, ``size_bytes``, ``verified``.
     """
     path = Path(path)
     verified = verify_checkpoint(path, checksums=checksums)

@@ -1,16 +1,10 @@
 """Full (single-file) checkpoints: written by rank 0, read by every rank.
 
-A full checkpoint is an ordinary ``torch.save`` file in the layout of a Lightning DDP
-checkpoint, ``{"state_dict": {name: full tensor}, "optimizer_states": [torch's optimizer
-layout], ...extra}``, so ``load_from_checkpoint``, ``model.load_state_dict(ckpt["state_dict"])``
-and a DDP run's ``optimizer.load_state_dict(ckpt["optimizer_states"][0])`` accept it.
-Fabric's layout keeps every entry under the user's key instead (``fabric_keys``), as
-Fabric's other strategies write it. Saving gathers every sharded tensor anywhere in the
-dict one at a time, and only rank 0 keeps them ([Note: ragged gather of element ranges]).
-
-Reading also takes a DDP/Lightning checkpoint (index-keyed optimizer state, [Note:
-index-keyed optimizer state by position]), Lightning's consolidated FSDP file
-(``"model"`` and ``optimizer_<i>``) and a bare ``torch.save(model.state_dict())``.
+Lightning's DDP layout, ``{"state_dict": {name: full tensor}, "optimizer_states":
+[torch's optimizer layout], ...extra}``, so ``load_from_checkpoint`` and a DDP run read
+it; Fabric's layout keeps every entry under the user's key (``fabric_keys``). Reading
+also takes a DDP file ([Note: index-keyed optimizer state by position]), Lightning's
+consolidated FSDP file (``"model"``, ``optimizer_<i>``) and a bare state dict.
 """
 
 from __future__ import annotations
@@ -24,74 +18,46 @@ import torch
 
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.errors import NotACheckpointError
-from lightning_yafsdp.checkpoint.gather import sharded_leaves, tensor_bytes
+from lightning_yafsdp.checkpoint.gather import tensor_bytes
 from lightning_yafsdp.checkpoint.optimizer_state import (
     ParamNames,
     check_optimizer_count,
     optimizer_state_to_load,
-    sharded_optimizer_state_dict,
-    to_torch_layout,
 )
 from lightning_yafsdp.checkpoint.sharded import FORMAT_KEY, format_info
-from lightning_yafsdp.checkpoint.state import (
-    gather_shards,
-    load_full_model_state_dict,
-    module_state,
-)
-from lightning_yafsdp.checkpoint.verify import describe_non_checkpoint, verify_checkpoint
+from lightning_yafsdp.checkpoint.state import gather_shards, load_full_model_state_dict
 from lightning_yafsdp.core import YaFSDPEngine
 
 STATE_DICT_KEY = "state_dict"
 OPTIMIZER_STATES_KEY = "optimizer_states"
 # Written by fabric.save: {"module": key, "optimizers": [key, ...], "entries": [...]}, the
-# names under which the weights and optimizer states sit ([Note: one checkpoint format
-# for Fabric and the Trainer] in fabric_format.py).
+# names of the weights and optimizer states ([Note: one checkpoint format for Fabric and
+# the Trainer]).
 FABRIC_KEYS = "yafsdp_fabric"
 
 
 def save_full(
     path: str | os.PathLike,
     engine: YaFSDPEngine,
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Mapping[str, Any]],
     *,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
     extra: Mapping[str, Any] | None = None,
-    model_state: Mapping[str, Any] | None = None,
-    optimizer_states: Sequence[Mapping[str, Any]] | None = None,
-    fabric_keys: Mapping[str, Any] | None = None,
 ) -> None:
-    """Write one ``torch.save`` file with full weights and optimizer state (rank 0 writes).
-
-    Collective (the gathers) and atomic. ``model_state`` and ``optimizer_states`` (one
-    per optimizer) may be sharded (gathered and converted here) or already full on rank 0
-    (torch's optimizer layout); sharded tensors in ``extra`` are gathered too.
-    ``fabric_keys``: Fabric's layout instead (every entry under the user's key, recorded
-    as ``FABRIC_KEYS``), which Fabric's other strategies and litgpt's scripts read.
+    """Write one ``torch.save`` file (collective: sharded tensors in ``extra`` are gathered;
+    atomic: rank 0 writes). ``model_state`` / ``optimizer_states``: full on rank 0, in
+    torch's layouts. With ``extra[FABRIC_KEYS]``: Fabric's layout, under the user's keys.
     Raises ``CheckpointSaveError`` on every rank when rank 0 failed to write.
     """
-    if model_state is None:
-        model_state = module_state(engine)
-    if optimizer_states is None:
-        optimizer_states = [sharded_optimizer_state_dict(engine, opt) for opt in optimizers]
-    # Lightning's layout: the optimizers under temporary names, then in one list.
-    model_key = STATE_DICT_KEY
-    optimizer_keys = [f"{OPTIMIZER_STATES_KEY}.{i}" for i in range(len(optimizer_states))]
-    if fabric_keys is not None:
-        model_key, optimizer_keys = fabric_keys["module"], list(fabric_keys["optimizers"])
-    checkpoint = {
-        **dict(extra or {}),
-        model_key: dict(model_state),
-        **dict(zip(optimizer_keys, optimizer_states, strict=True)),
-    }
-    if fabric_keys is not None:
-        checkpoint[FABRIC_KEYS] = dict(fabric_keys)
-    sharded_optimizers = [bool(sharded_leaves(state)) for state in optimizer_states]
+    checkpoint = dict(extra or {})
+    fabric_keys = checkpoint.get(FABRIC_KEYS)
+    if fabric_keys is None:  # Lightning's layout
+        checkpoint[STATE_DICT_KEY] = dict(model_state)
+        checkpoint[OPTIMIZER_STATES_KEY] = list(optimizer_states)
+    else:
+        checkpoint[fabric_keys["module"]] = dict(model_state)
+        checkpoint.update(zip(fabric_keys["optimizers"], optimizer_states, strict=True))
     checkpoint = gather_shards(engine, checkpoint)
-    if engine.rank == 0:
-        for key, sharded in zip(optimizer_keys, sharded_optimizers, strict=True):
-            if sharded:
-                checkpoint[key] = to_torch_layout(checkpoint[key])
-        if fabric_keys is None:
-            checkpoint[OPTIMIZER_STATES_KEY] = [checkpoint.pop(k) for k in optimizer_keys]
     checkpoint[FORMAT_KEY] = format_info(engine, "full", len(optimizer_states))
     needed = tensor_bytes(checkpoint) if engine.rank == 0 else 0  # for a failure's message
     with atomic.atomic_path(path, group=engine.group, directory=False, bytes_here=needed) as tmp:
@@ -100,23 +66,15 @@ def save_full(
 
 
 def load_full(
-    path: str | os.PathLike,
+    path: Path,
     engine: YaFSDPEngine,
     *,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
     expected: Mapping[str, Any] | None = None,
-    verify_checksums: bool = True,
 ) -> dict[str, Any]:
-    """Load a single-file checkpoint into ``engine`` and ``optimizers``; return the rest.
-
-    Not collective: every rank reads the file. ``expected`` names the entries of a Fabric
-    file (``split_full_checkpoint``). A mismatch raises before anything is modified.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise NotACheckpointError(describe_non_checkpoint(path))
-    verify_checkpoint(path, checksums=verify_checksums)
+    """Load a verified single-file checkpoint into ``engine`` and ``optimizers``; return the
+    rest. Every rank reads the file; a mismatch raises before anything is modified."""
     model_state, optimizer_states, rest = split_full_checkpoint(read_file(path), expected)
     check_optimizer_count(path, saved=len(optimizer_states), given=len(optimizers))
     # Check and map every optimizer state first: a mismatch then leaves the model untouched.

@@ -1,22 +1,17 @@
 """Sharded values anywhere in a checkpoint dict: walk the tree, count them, gather them.
 
-A Lightning checkpoint is a tree of dicts, lists and tuples built by many hands
-(``"state_dict"``, ``"optimizer_states"``, whatever callbacks add: ``WeightAveraging``
-moves our weights to ``"current_model_state"``). Every ``RangeShardedTensor`` in it holds
-only this rank's elements, so it must be written sharded or gathered: pickling one would
-keep rank 0's piece and lose the rest without a word. The walk has a fixed order, the
-same on every rank for the same tree, so collective steps pair leaves by position.
+Every ``RangeShardedTensor`` in a checkpoint (callbacks' entries too) holds only this
+rank's elements: pickling one would keep rank 0's piece and lose the rest without a
+word, so it is written sharded or gathered. The walk's order is the same on every rank
+for the same tree, so collective steps pair leaves by position.
 
 [Note: ragged gather of element ranges]
-Every ``RangeShardedTensor`` holds elements ``[start, end)`` of its flattened full
-tensor, a different count on every rank (possibly none), whoever holds its storage
-(the engine's master shards, an ``AveragedModel``'s deep copy, optimizer state). One
-``all_gather_object`` of every leaf's ``(path, shape, dtype, start, end)`` pairs the
-leaves across ranks, checks that the tree is the same everywhere (otherwise every rank
-raises the same error instead of hanging in a collective) and gives each rank's count;
-then each leaf is one ``all_gather`` of the pieces, padded to the longest, cut back out
-and kept (on CPU) where asked. So no rank holds more than one tensor unsharded beyond
-what it keeps. Tied aliases (the same piece under two paths) are gathered once.
+One ``all_gather_object`` of every leaf's ``(path, shape, dtype, start, end)`` pairs the
+leaves across ranks, checks that the tree is the same everywhere (else every rank raises
+the same error instead of hanging) and gives each rank's element count; then each leaf
+is one ``all_gather`` of the pieces padded to the longest, cut back out and kept (on
+CPU) where asked: no rank holds more than one tensor unsharded beyond what it keeps.
+Tied aliases (the same piece under two paths) are gathered once.
 """
 
 from __future__ import annotations
@@ -53,8 +48,8 @@ def map_leaves(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> An
 def sharded_leaves(tree: Any) -> list[tuple[Path, RangeShardedTensor]]:
     """Every ``RangeShardedTensor`` in ``tree`` with its path, in tree order."""
     found: list[tuple[Path, Any]] = []
-    map_leaves(tree, lambda path, v: found.append((path, v)) if _is_sharded(v) else None)
-    return found
+    map_leaves(tree, lambda path, v: found.append((path, v)))
+    return [(path, v) for path, v in found if isinstance(v, RangeShardedTensor)]
 
 
 def describe_path(path: Path) -> str:
@@ -70,17 +65,13 @@ def tensor_bytes(tree: Any, *, whole: bool = True) -> int:
 
     def count(_: Path, value: Any) -> None:
         nonlocal total
-        if _is_sharded(value):
+        if isinstance(value, RangeShardedTensor):
             total += value._local.nbytes
         elif isinstance(value, torch.Tensor) and whole:
             total += value.nbytes
 
     map_leaves(tree, count)
     return total
-
-
-def _is_sharded(value: Any) -> bool:
-    return isinstance(value, RangeShardedTensor)
 
 
 def world_info(group=None) -> tuple[int, int]:

@@ -1,27 +1,17 @@
 """Optimizer state of a sharded engine, per original parameter, under its name.
 
-After ``shard_model`` an optimizer holds the sharded parameters (``RangeShardedTensor``)
-in as many param groups as the user made, and its state is per parameter: 1-D pieces
-of this rank's elements, and scalars. The checkpoint form is name-keyed::
-
-    {"state": {"layers.0.attn.wq.weight": {"exp_avg": <sharded>, ..., "step": tensor(3.)}},
-     "param_groups": [{"lr": 3e-4, "weight_decay": 0.1, ..., "params": ["layers.0...", ...]}]}
-
-per-element state as a ``RangeShardedTensor`` laid out as its parameter: the layout of
-torch's ``get_optimizer_state_dict`` for FSDP2, so either reads the other's DCP entries.
-Loading restores every group's hyperparameters by position after checking that each
-group holds the same names. A full file uses torch's own index-keyed layout instead.
+The checkpoint form is torch's ``get_optimizer_state_dict`` layout for FSDP2 (so either
+reads the other's DCP entries): ``{"state": {name: {"exp_avg": <RangeShardedTensor>,
+"step": tensor}}, "param_groups": [{hyperparameters, "params": [names]}]}``. A full file
+uses torch's index-keyed layout with each group's ``"param_names"``.
 
 [Note: index-keyed optimizer state by position]
 ``optimizer.state_dict()`` numbers parameters in the order the optimizer holds them,
-group by group (torch >= 2.6 adds each group's ``"param_names"``); a DDP run saves that,
-and our full files write the same, always with ``"param_names"``, so DDP loads them.
-Under ``strategy="yafsdp"`` the model keeps its parameters, so the same
-``configure_optimizers`` builds the same groups over the same parameters in the same
-order as under DDP: saved index ``i`` is the ``i``-th parameter of the current
-optimizer. That is checked, not assumed: the group count and sizes, every state
-tensor's shape against its parameter's, and the names where the file has them (a
-common prefix such as ``"model."`` may differ).
+group by group; a DDP run saves that. Under ``strategy="yafsdp"`` the model keeps its
+parameters, so the same ``configure_optimizers`` builds the same groups over the same
+parameters in the same order: saved index ``i`` is the current optimizer's ``i``-th
+parameter. Checked, not assumed: group count and sizes, every state tensor's shape, and
+the names where the file has them (a common prefix such as ``"model."`` may differ).
 """
 
 from __future__ import annotations
@@ -47,17 +37,17 @@ class ParamNames:
     shape and this rank's elements); ``replicated``: the plain (frozen, full) ones.
     """
 
-    def __init__(self, engine: YaFSDPEngine, *, prefix: str = "") -> None:
+    def __init__(self, engine: YaFSDPEngine) -> None:
         self._names: dict[int, str] = {}
         self.sharded: dict[str, torch.nn.Parameter] = {}
         self.replicated: dict[str, torch.nn.Parameter] = {}
         for param in engine.sharded_parameters(frozen=True):
-            self._names[id(param)] = prefix + param._placement.name
-            self.sharded.update({prefix + alias: param for alias in param._placement.aliases})
+            self._names[id(param)] = param._placement.name
+            self.sharded.update({alias: param for alias in param._placement.aliases})
         for name, param in engine.root.named_parameters():
             if id(param) not in self._names:
-                self._names[id(param)] = prefix + name
-                self.replicated[prefix + name] = param
+                self._names[id(param)] = name
+                self.replicated[name] = param
 
     def name_of(self, param: torch.Tensor) -> str:
         name = self._names.get(id(param))
@@ -89,10 +79,10 @@ def optimizer_entry(
 
 
 def sharded_optimizer_state_dict(
-    engine: YaFSDPEngine, optimizer: torch.optim.Optimizer, *, prefix: str = ""
+    engine: YaFSDPEngine, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """The optimizer's state, name-keyed, per-element state as ``RangeShardedTensor``s (no copy)."""
-    names = ParamNames(engine, prefix=prefix)
+    names = ParamNames(engine)
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
         for param in group["params"]:
@@ -107,12 +97,12 @@ def sharded_optimizer_state_dict(
 
 @torch.no_grad()
 def full_optimizer_state_dict(
-    engine: YaFSDPEngine, optimizer: torch.optim.Optimizer, *, prefix: str = ""
+    engine: YaFSDPEngine, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """torch's index-keyed layout with full tensors (CPU) and every group's
     ``"param_names"``: what ``optimizer.state_dict()`` over the unsharded model gives.
     Collective; ranks other than 0 return ``{}``."""
-    full = gather_shards(engine, sharded_optimizer_state_dict(engine, optimizer, prefix=prefix))
+    full = gather_shards(engine, sharded_optimizer_state_dict(engine, optimizer))
     return to_torch_layout(full) if engine.rank == 0 else {}
 
 

@@ -1,23 +1,10 @@
 """Sharded checkpoints: a torch.distributed.checkpoint directory plus ``meta.pt``.
 
-Layout (the one Lightning's FSDP strategy writes, so Lightning's consolidation
-utility reads it)::
-
-    CHECKPOINT/
-      .metadata            DCP: every tensor's full shape and where its boxes are
-      __<rank>_0.distcp    DCP: each rank's data
-      meta.pt              rank 0: everything that is not weights or optimizer state
-                           (Lightning's loops, schedulers, callbacks; the torch API's
-                           ``extra``) plus a ``"yafsdp"`` entry (``format_info``)
-      yafsdp-manifest.json rank 0: every file's size and CRC-32 ([Note: checkpoint manifest])
-
-DCP keys: ``model`` -> ``{name: tensor}``, ``optimizer_<i>`` -> the name-keyed state of
-``optimizer_state.py``, and any other top-level entry that holds sharded tensors (listed
-in ``meta.pt["yafsdp"]["sharded_keys"]``). A ``RangeShardedTensor`` speaks DCP's own
-protocol ([Note: element ranges as boxes]), so DCP's DEFAULT planners write and read it:
-a reader at any world size asks for the boxes of its own elements, and an FSDP2 model
-reads the directory with a plain ``dcp.load``. Replicas of a hybrid-sharded model hold
-the same boxes; DCP's plan deduplication writes each once, from the lowest rank (replica 0).
+The layout of Lightning's FSDP strategy (docs/design.md, "Checkpoints"): DCP keys
+``model`` and ``optimizer_<i>`` (name-keyed, ``optimizer_state.py``) and any top-level
+entry holding sharded tensors (``meta.pt["yafsdp"]["sharded_keys"]``); ``meta.pt`` holds
+the rest; ``yafsdp-manifest.json`` every file's size and CRC-32. DCP's default planners
+write and read every ``RangeShardedTensor`` ([Note: element ranges as boxes]).
 """
 
 from __future__ import annotations
@@ -40,22 +27,16 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_yafsdp.checkpoint import atomic
 from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME
 from lightning_yafsdp.checkpoint.background import BackgroundSaver, stage
-from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError, NotACheckpointError
+from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
 from lightning_yafsdp.checkpoint.gather import sharded_leaves, tensor_bytes
 from lightning_yafsdp.checkpoint.optimizer_state import (
     ParamNames,
     check_optimizer_count,
     check_state_names,
     optimizer_state_to_load,
-    sharded_optimizer_state_dict,
 )
 from lightning_yafsdp.checkpoint.state import check_targets, module_state
-from lightning_yafsdp.checkpoint.verify import (
-    META_FILENAME,
-    describe_non_checkpoint,
-    verify_on_rank_zero,
-    write_manifest,
-)
+from lightning_yafsdp.checkpoint.verify import META_FILENAME, write_manifest
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
@@ -106,30 +87,21 @@ def format_info(
 def save_sharded(
     path: str | os.PathLike,
     engine: YaFSDPEngine,
-    *,
-    optimizers: Sequence[torch.optim.Optimizer] = (),
+    model_state: Mapping[str, Any],
+    optimizer_states: Sequence[Mapping[str, Any]],
     extra: Mapping[str, Any] | None = None,
-    model_state: Mapping[str, Any] | None = None,
-    optimizer_states: Sequence[Mapping[str, Any]] | None = None,
+    *,
     background: BackgroundSaver | None = None,
 ) -> None:
-    """Write a sharded checkpoint of ``engine`` (and ``optimizers``) to the directory ``path``.
-
-    Collective and atomic ([Note: atomic commit]). ``extra``: picklable objects rank 0
-    saves in ``meta.pt``; a top-level entry holding ``RangeShardedTensor``s (a
-    ``WeightAveraging`` callback's ``"current_model_state"``) is written sharded into the
-    DCP files. ``model_state`` / ``optimizer_states``: ready state dicts (the module's own
-    ``state_dict()``, ``sharded_optimizer_state_dict``s) instead of the engine's and
-    ``optimizers``'. ``background``: staged here, written in that saver's thread
-    ([Note: background saves]). Raises ``CheckpointSaveError`` on every rank if any rank
-    failed (with ``background``: from the saver's ``wait()``), the previous checkpoint intact.
+    """Write a sharded checkpoint to the directory ``path`` (collective, [Note: atomic
+    commit]). ``extra`` goes to ``meta.pt``, but a top-level entry holding
+    ``RangeShardedTensor``s (WeightAveraging's ``"current_model_state"``) goes into the DCP
+    files. ``background``: staged here, written in that saver's thread ([Note: background
+    saves]). Raises ``CheckpointSaveError`` on every rank if any rank failed (with
+    ``background``: from the saver's ``wait()``), the previous checkpoint intact.
     """
     if background is not None:
         background.wait()  # one save in flight at a time; raises a failed one's error
-    if model_state is None:
-        model_state = module_state(engine)
-    if optimizer_states is None:
-        optimizer_states = [sharded_optimizer_state_dict(engine, opt) for opt in optimizers]
     state, meta = _dcp_state_and_meta(engine, model_state, optimizer_states, extra)
     bytes_here = tensor_bytes(state, whole=engine.rank == 0)
     # Rank 0 writes meta.pt: pickled now, so a background write holds a copy of it.
@@ -160,14 +132,9 @@ def _write_sharded(
         )
         failure = meta if isinstance(meta, Exception) else None
         if dist.get_rank(group) == 0 and failure is None:
-            failure = atomic.attempt(lambda: _write_synced(tmp / META_FILENAME, meta))
+            failure = atomic.attempt(lambda: (tmp / META_FILENAME).write_bytes(meta))
         # Collective even when meta.pt failed, so no rank is left waiting in it.
         write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=group, failure=failure)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    path.write_bytes(data)
-    atomic.fsync_file(path)
 
 
 def _serialized(meta: Mapping[str, Any]) -> bytes | Exception:
@@ -213,19 +180,15 @@ def load_sharded(
     *,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     strict: bool = True,
-    verify_checksums: bool = True,
 ) -> dict[str, Any]:
-    """Load a sharded checkpoint written at any world size into ``engine`` and ``optimizers``.
+    """Load a verified sharded checkpoint of any world size (collective).
 
-    Collective. Every file is verified first ([Note: verify before reading], [Note:
-    checksums on load]); names, shapes and the optimizer count are checked against
-    ``.metadata`` before anything is read, so a mismatch modifies nothing. Then one
-    ``dcp.load`` with DCP's default planner reads the weights in place into this rank's
-    shards and the optimizer states into fresh pieces. Returns ``meta.pt``'s contents,
-    sharded entries (``"sharded_keys"``) read back as ``RangeShardedTensor``s.
+    Names, shapes and the optimizer count are checked against ``.metadata`` before one
+    ``dcp.load`` reads the weights in place and the optimizer states into fresh pieces.
+    Returns ``meta.pt``'s contents and the ``"sharded_keys"`` entries (sharded).
     """
     path = Path(path)
-    layout = _verified_layout(path, engine, verify_checksums=verify_checksums)
+    layout = CheckpointLayout(FileSystemReader(path).read_metadata())
     meta = read_meta(path)
     names = ParamNames(engine)
     model = module_state(engine)
@@ -270,16 +233,6 @@ def _target(
     if isinstance(like, RangeShardedTensor) and torch.Size(md.size) == like.shape:
         return like.detach().clone()
     return torch.empty(md.size, dtype=md.properties.dtype)
-
-
-def _verified_layout(path: Path, engine: YaFSDPEngine, *, verify_checksums: bool) -> Any:
-    """Recover an interrupted commit, verify every file, then read ``.metadata`` (collective)."""
-    error = atomic.attempt(lambda: atomic.recover(path)) if engine.rank == 0 else None
-    atomic.agree(error, group=engine.group, doing=f"recovering checkpoint {path}")
-    verify_on_rank_zero(path, group=engine.group, checksums=verify_checksums)
-    if not is_sharded_checkpoint(path):
-        raise NotACheckpointError(describe_non_checkpoint(path))
-    return CheckpointLayout(FileSystemReader(path).read_metadata())
 
 
 class CheckpointLayout:

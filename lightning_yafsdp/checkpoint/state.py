@@ -1,11 +1,8 @@
 """Model state dicts of a sharded engine, under the original parameter names.
 
-The model's own ``state_dict()`` is the source (a ``LightningModule.state_dict()``
-override included): sharded parameters are ``RangeShardedTensor``s, which speak DCP's
-protocol ([Note: element ranges as boxes]), so the dict is what a DCP save takes and a
-DCP load reads into; buffers and replicated frozen parameters are plain tensors. The
-full form gathers every ``RangeShardedTensor`` to rank 0 one tensor at a time ([Note:
-ragged gather of element ranges]).
+The source is the model's own ``state_dict()`` (an override honoured): sharded
+parameters are ``RangeShardedTensor``s, which DCP saves and loads as they are ([Note:
+element ranges as boxes]); buffers and replicated frozen parameters are plain tensors.
 """
 
 from __future__ import annotations
@@ -24,10 +21,9 @@ from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 StateDictType = Literal["sharded", "full"]
 
 
-def module_state(engine: YaFSDPEngine, *, prefix: str = "") -> dict[str, Any]:
-    """``engine.root.state_dict()`` (overrides honoured), ``prefix`` added to every key;
-    sharded values are views of the parameters, tied ones under every alias."""
-    return {prefix + name: value for name, value in engine.root.state_dict().items()}
+def module_state(engine: YaFSDPEngine) -> dict[str, Any]:
+    """``engine.root.state_dict()``: sharded values are views of the parameters."""
+    return dict(engine.root.state_dict())
 
 
 def model_entry(engine: YaFSDPEngine, module: nn.Module, kind: StateDictType) -> dict[str, Any]:
@@ -50,12 +46,11 @@ def gather_shards(engine: YaFSDPEngine, tree: Any, *, rank0_only: bool = True, *
 
 @torch.no_grad()
 def full_model_state_dict(
-    engine: YaFSDPEngine, *, prefix: str = "", rank0_only: bool = True, cpu: bool = True
+    engine: YaFSDPEngine, *, rank0_only: bool = True, cpu: bool = True
 ) -> dict[str, torch.Tensor]:
     """Full weights under the original names, gathered one tensor at a time (collective).
     With ``rank0_only`` (default) ranks other than 0 return ``{}``."""
-    state = module_state(engine, prefix=prefix)
-    full = gather_shards(engine, state, rank0_only=rank0_only, cpu=cpu)
+    full = gather_shards(engine, module_state(engine), rank0_only=rank0_only, cpu=cpu)
     if rank0_only and engine.rank != 0:
         return {}
     return {name: value.detach() for name, value in full.items()}
@@ -63,19 +58,15 @@ def full_model_state_dict(
 
 @torch.no_grad()
 def load_full_model_state_dict(
-    engine: YaFSDPEngine,
-    state_dict: Mapping[str, torch.Tensor],
-    *,
-    prefix: str = "",
-    strict: bool = True,
+    engine: YaFSDPEngine, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True
 ) -> None:
     """Copy a plain full state dict (e.g. a DDP checkpoint's ``"state_dict"``) into the shards.
 
     Not collective: every rank needs ``state_dict`` (a memory-mapped ``torch.load`` keeps
-    that cheap) and copies only its own elements. A mismatch (``check_targets``) raises
+    that cheap) and copies only its own elements. A mismatch raises
     ``CheckpointMismatchError`` before anything is modified.
     """
-    targets = module_state(engine, prefix=prefix)
+    targets = module_state(engine)
     check_targets(engine, targets, {k: v.shape for k, v in state_dict.items()}, strict=strict)
     for name, target in targets.items():
         if name not in state_dict:

@@ -1,35 +1,22 @@
 """Is a checkpoint complete and unchanged? Recorded at save, checked before anything is read.
 
 [Note: checkpoint manifest]
-``save_sharded`` ends by writing ``yafsdp-manifest.json`` next to DCP's files:
-``{"manifest_version": 1, "files": {name: {"bytes": int, "crc32": "8 hex digits"}}}``.
-Each rank digests the files it wrote (DCP names them ``__<rank>_<i>.distcp``), rank 0
-also ``.metadata`` and ``meta.pt``; one object all-gather brings the digests to rank 0,
-which writes the manifest inside the same atomic save ([Note: atomic commit]). The
-files were just written, so they are read back from the page cache: CRC-32 runs at
-about 1.5 GB/s per rank, in parallel over ranks (0.18 s of a 1.9 s save of 121 MiB on 2
-ranks sharing 2 busy cores). Verification ([Note: verify before reading]) checks the
-recorded sizes on every load, and the checksums unless ``verify_checksums=False``
-([Note: checksums on load]). Directories written by Lightning's or torch's own
-strategies have no manifest and verify by sizes from ``.metadata``.
+A sharded save ends with ``yafsdp-manifest.json``: ``{"manifest_version": 1, "files":
+{name: {"bytes": int, "crc32": "8 hex digits"}}}``, inside the atomic save. Each rank
+digests the files it just wrote (from the page cache: 0.18 s of a 1.9 s save of 121 MiB
+on 2 ranks), rank 0 also ``.metadata`` and ``meta.pt``; one object all-gather brings
+the digests to rank 0. Directories of Lightning's or torch's own strategies have none
+and verify by the sizes ``.metadata`` implies.
 
 [Note: verify before reading]
-A truncated or missing file otherwise surfaces deep inside DCP or ``torch.load`` as a
-bare ``EOFError`` naming no file, on every rank, after the model may be half loaded.
-Every reader therefore calls ``verify_checkpoint`` first, which costs a few ``stat``
-calls and reading two small files, never the tensors:
-
-- sharded directory: every file the manifest lists ([Note: checkpoint manifest];
-  directories of other writers have none) has its recorded size; ``.metadata``
-  unpickles; ``meta.pt`` is a complete torch (zip) file; every storage file that
-  ``.metadata`` references is at least as long as its items' largest ``offset + length``.
-- single file: a torch zip file has its central directory (written last, so any
-  truncation removes it) and every entry lies inside the file. A legacy (non-zip)
-  ``torch.save`` file cannot be checked this way and is left to ``torch.load``.
-
-With ``checksums`` every file's CRC-32 is compared too ([Note: checksums on load]). In a
-process group rank 0 verifies and tells the others (``verify_on_rank_zero``), so the
-message naming the bad file appears once.
+A truncated or missing file otherwise surfaces deep in DCP or ``torch.load`` as a bare
+``EOFError`` naming no file, on every rank, after the model may be half loaded. So every
+reader first checks, without reading tensors: a directory's manifest sizes, that
+``.metadata`` unpickles, ``meta.pt`` is a complete zip, and every storage file is as
+long as its items' largest ``offset + length``; a single file's zip directory (written
+last, so any truncation removes it) and entry extents. A legacy (non-zip) ``torch.save``
+file is left to ``torch.load``. In a process group rank 0 checks and tells the others,
+so the message naming the bad file appears once.
 """
 
 from __future__ import annotations
@@ -41,17 +28,16 @@ import zlib
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME, fsync_file
+from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME
 from lightning_yafsdp.checkpoint.errors import (
     DamagedCheckpointError,
     NotACheckpointError,
     first_line,
 )
 from lightning_yafsdp.checkpoint.gather import world_info
-from lightning_yafsdp.core.comm.collectives import all_gather_objects, broadcast_object
+from lightning_yafsdp.core.comm.collectives import all_gather_objects
 
 META_FILENAME = "meta.pt"  # lightning.fabric.utilities.load._METADATA_FILENAME
 MANIFEST_FILENAME = "yafsdp-manifest.json"
@@ -67,21 +53,10 @@ _CHANGED = "its contents changed after the save (if on purpose, load with verify
 
 
 def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> str:
-    """Raise if a checkpoint directory or file is incomplete; read no tensors.
-
-    Args:
-        path: a sharded checkpoint directory or a single-file checkpoint.
-        checksums: also compare every file of a directory with the CRC-32 recorded at
-            save, and every entry of a single (zip) file with the CRC-32 torch stored for
-            it; this reads every byte. Default False: sizes and structure only.
-
-    Returns:
-        What was checked (``inspect`` shows it).
-
-    Raises:
-        NotACheckpointError: ``path`` does not exist or is no checkpoint.
-        DamagedCheckpointError: one line naming the bad file, what is wrong with it and
-            which checkpoints next to it can be loaded instead.
+    """Raise if a checkpoint directory or file is incomplete, reading no tensors; with
+    ``checksums`` also compare every file's (a zip's every entry's) CRC-32, reading every
+    byte. Returns what was checked (``inspect`` shows it). Raises ``NotACheckpointError``
+    or ``DamagedCheckpointError`` (one line: the bad file, what is wrong, what to load).
     """
     path = Path(path)
     if path.is_file():
@@ -102,56 +77,48 @@ def verify_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> st
 
 
 def verify_on_rank_zero(path: str | os.PathLike, *, group=None, checksums: bool = False) -> None:
-    """``verify_checkpoint`` on rank 0 of ``group``; every rank raises if it failed.
-
-    Collective when a process group is initialised. Rank 0 raises the full message, the
-    other ranks a short one pointing to it. With ``checksums`` the CRC-32s are then
-    compared too, the files shared out over the ranks.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+    """``verify_checkpoint`` on rank 0 of ``group``, then with ``checksums`` the CRC-32s
+    compared by every rank; every rank raises if any failed: rank 0 the full message,
+    the others a short one pointing to it. Collective in a process group."""
+    rank, world_size = world_info(group)
+    if world_size == 1:
         verify_checkpoint(path, checksums=checksums)
         return
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    error: Exception | None = None
-    if rank == 0:
-        try:
-            verify_checkpoint(path)
-        except Exception as exc:  # noqa: BLE001 - the others must hear of any failure
-            error = exc
-    kind = broadcast_object(type(error).__name__ if error else None, src_rank=0, group=group)
-    if error is not None:
-        raise error
-    if kind is not None:
-        _raise_reported_by_rank_zero(path, kind)
-    if not checksums:
-        return
+    path = Path(path)
+    _agreed(path, lambda: verify_checkpoint(path) if rank == 0 else None, group=group)
+    if checksums:
+        _agreed(path, lambda: _compare_my_share(path, rank, world_size), group=group)
+
+
+def _compare_my_share(path: Path, rank: int, world_size: int) -> None:
     # [Note: checksums on load]
-    # A flipped bit inside a shard keeps every size right, so only the CRC-32 recorded in
-    # the manifest notices it; without it a resume trains on the damaged weights and says
-    # nothing. Every load therefore compares the checksums unless the user opts out.
-    # Reading every byte is the cost, so the work is shared: ``__<r>_<i>.distcp`` goes to
-    # rank ``r % world_size`` (at the same world size, the file that rank is about to
-    # read, which leaves it in the page cache for DCP) and rank 0 takes the small files.
-    # One all-gather of the messages follows, so every rank stops before anything is read.
-    message = None
+    # A flipped bit inside a shard keeps every size right: only the CRC-32 notices it, so
+    # every load compares them unless the user opts out. Reading every byte is the cost,
+    # shared: ``__<r>_<i>.distcp`` goes to rank ``r % world_size`` (at the same world
+    # size, the file that rank is about to read, left in the page cache for DCP), the
+    # small files to rank 0; a single file's zip entries are compared on rank 0.
+    if path.is_dir():
+        recorded = read_manifest(path) or {}
+        mine = {n: d for n, d in recorded.items() if _writer_rank(n) % world_size == rank}
+        _compare_checksums(path, mine)
+    elif rank == 0:
+        _verify_zip_checksums(path, checkpoint=path)
+
+
+def _agreed(path: Path, check, *, group) -> None:
+    """Run ``check`` on every rank; raise on every rank if it failed on any."""
+    error: Exception | None = None
     try:
-        if Path(path).is_dir():
-            recorded = read_manifest(Path(path)) or {}
-            mine = {n: d for n, d in recorded.items() if _writer_rank(n) % world_size == rank}
-            _compare_checksums(Path(path), mine)
-        elif rank == 0:
-            _verify_zip_checksums(Path(path), checkpoint=Path(path))
-    except DamagedCheckpointError as exc:
-        message = str(exc)
-    found = [m for m in all_gather_objects(message, group=group) if m is not None]
-    if found and rank == 0:
-        raise DamagedCheckpointError(found[0])
-    if found:
-        _raise_reported_by_rank_zero(path, "DamagedCheckpointError")
-
-
-def _raise_reported_by_rank_zero(path: str | os.PathLike, kind_name: str) -> NoReturn:
-    kind = NotACheckpointError if kind_name == "NotACheckpointError" else DamagedCheckpointError
+        check()
+    except Exception as exc:  # noqa: BLE001 - the others must hear of any failure
+        error = exc
+    report = None if error is None else (type(error).__name__, str(error))
+    found = [r for r in all_gather_objects(report, group=group) if r is not None]
+    if not found:
+        return
+    kind = NotACheckpointError if found[0][0] == "NotACheckpointError" else DamagedCheckpointError
+    if world_info(group)[0] == 0:
+        raise error if error is not None else kind(found[0][1])
     raise kind(f"rank 0 reported that checkpoint {str(path)!r} cannot be loaded (see its message)")
 
 
@@ -204,8 +171,8 @@ def write_manifest(
     if rank == 0:
         files = {name: digest for d, _ in gathered for name, digest in d.items()}
         manifest = {"manifest_version": MANIFEST_VERSION, "files": dict(sorted(files.items()))}
+        # Synced by the commit, with every other file ([Note: atomic commit]).
         (directory / MANIFEST_FILENAME).write_text(json.dumps(manifest, indent=1) + "\n")
-        fsync_file(directory / MANIFEST_FILENAME)
 
 
 def read_manifest(directory: Path) -> dict[str, dict[str, Any]] | None:
@@ -344,14 +311,11 @@ def _verify_zip_checksums(path: Path, *, checkpoint: Path) -> None:
         return
     try:
         with zipfile.ZipFile(path) as archive:
-            for entry in archive.infolist():
-                with archive.open(entry) as stream:
-                    while stream.read(READ_CHUNK_BYTES):
-                        pass  # zipfile compares the CRC-32 at the entry's end
+            bad = archive.testzip()  # reads every entry; the first one that fails
     except (zipfile.BadZipFile, OSError) as exc:
-        _damaged(
-            checkpoint, path, f"does not match its checksums ({first_line(exc)}): {_CHANGED}"
-        )
+        bad = first_line(exc)
+    if bad is not None:
+        _damaged(checkpoint, path, f"does not match its checksums ({bad}): {_CHANGED}")
 
 
 def _is_zip(path: Path) -> bool:

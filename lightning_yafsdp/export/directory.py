@@ -83,13 +83,13 @@ def write_export_directory(
         staging.mkdir(parents=True)
         for name, write in writers.items():
             write(staging / name)
-            atomic.fsync_file(staging / name)
+            atomic.fsync(staging / name)
         atomic.apply_default_modes(staging)
         if existed:
             _move_files_into(staging, out_dir, names=list(writers))
         else:
             os.replace(staging, out_dir)
-        atomic.fsync_directory(out_dir.parent)
+        atomic.fsync(out_dir.parent)
     except BaseException:
         _remove(staging)
         if created_root is not None:
@@ -108,7 +108,7 @@ def _move_files_into(staging: Path, out_dir: Path, *, names: list[str]) -> None:
         if name not in names and (out_dir / name).exists():
             (out_dir / name).unlink()
     staging.rmdir()
-    atomic.fsync_directory(out_dir)
+    atomic.fsync(out_dir)
 
 
 def _first_missing_ancestor(path: Path) -> Path | None:

@@ -19,7 +19,7 @@ arguments and the same checkpoint format, for loops written by hand with Fabric
    backward reduce-scatters into the gradient shards, which accumulate until
    ``zero_grad`` (a sharded model has no whole local gradient to hold back).
    ``fabric.clip_gradients(max_norm=...)`` clips by the global norm over every rank.
-6. ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: ``checkpoint/fabric_format.py``.
+6. ``fabric.save`` / ``fabric.load`` / ``fabric.load_raw``: ``fabric/checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -59,15 +59,15 @@ from lightning_yafsdp.adapters.sharding import (
     refuse_optimizers_with_state,
     shard_module,
 )
-from lightning_yafsdp.checkpoint.fabric_format import (
+from lightning_yafsdp.checkpoint.state import StateDictType
+from lightning_yafsdp.core import YaFSDPEngine
+from lightning_yafsdp.core.plan.meta_build import meta_device
+from lightning_yafsdp.fabric.checkpoints import (
     engine_of,
     load_fabric_checkpoint,
     load_raw_into,
     save_fabric_checkpoint,
 )
-from lightning_yafsdp.checkpoint.state import StateDictType
-from lightning_yafsdp.core import YaFSDPEngine
-from lightning_yafsdp.core.plan.meta_build import meta_device
 from lightning_yafsdp.fabric.precision import YaFSDPPrecision, to_fabric_precision
 from lightning_yafsdp.model_checks import (
     check_no_meta_metric_states,
