@@ -130,3 +130,42 @@ def test_turning_the_cache_off_is_said_once_on_rank_zero(runs):
     assert "GPT2LMHeadModel" in warned[0] and "config.use_cache is now False" in warned[0]
     assert "\n" not in warned[0]
     assert runs[1]["gpt2"]["warned"] == []
+
+
+def _warnings_of_train_without_kv_cache(model) -> list[str]:
+    from lightning_yafsdp.adapters.sharding import train_without_kv_cache
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train_without_kv_cache(model)
+    return [str(w.message) for w in caught if "use_cache" in str(w.message)]
+
+
+def test_models_without_a_cache_setting_are_left_alone():
+    """ViT's config has no ``use_cache``: nothing to turn off, no warning, no error."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+        num_attention_heads=2, intermediate_size=32,
+    )  # fmt: skip
+    model = transformers.ViTModel(config)
+    assert _warnings_of_train_without_kv_cache(model) == []
+    assert not hasattr(model.config, "use_cache")
+
+
+def test_an_encoder_decoder_gets_one_warning_naming_the_model():
+    """T5's encoder and decoder hold copies of the config: both caches go, one warning."""
+    import transformers
+
+    config = transformers.T5Config(
+        vocab_size=_VOCAB, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    found = _warnings_of_train_without_kv_cache(model)
+    assert len(found) == 1, found
+    assert not any(
+        getattr(m.config, "use_cache", False)
+        for m in model.modules()
+        if isinstance(m, transformers.PreTrainedModel)
+    )

@@ -378,6 +378,29 @@ def _registries() -> tuple[int, int]:
     return len(meta_build._made_under_meta), len(meta_build._values_of_meta)
 
 
+class _SharedConstant(nn.Module):
+    """Two blocks and a parameter made from a constant another module may share."""
+
+    def __init__(self, constant: torch.Tensor) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.scale = nn.Parameter(constant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x)) * self.scale
+
+
+def _live_registries() -> tuple[int, int]:
+    """The registries' sizes once what no one holds any more is collected and pruned."""
+    import gc
+
+    from lightning_yafsdp.core.plan.meta_build import prune_constructor_values
+
+    gc.collect()  # e.g. the Trainer's reference cycles, which hold its meta build's tensors
+    prune_constructor_values()
+    return _registries()
+
+
 def _kept_constructor_values_run() -> dict:
     from lightning_yafsdp.core import shard_model
     from lightning_yafsdp.core.plan.meta_build import meta_device
@@ -385,19 +408,29 @@ def _kept_constructor_values_run() -> dict:
     gen = torch.Generator().manual_seed(5)
     rows = [{"x": torch.randn(8, generator=gen), "y": torch.randn(8, generator=gen)}
             for _ in range(4)]  # fmt: skip
-    before = _registries()
+    before = _live_registries()
     run = fit("yafsdp", _ConstructorValues, _stage_loss, rows, eager=False, world_size=2, steps=2)
-    after_fit = _registries()
+    after_fit = _live_registries()
     # Two modules built before either is sharded: sharding one keeps the other's values.
     with meta_device():
         first, second = _ConstructorValues(), _ConstructorValues()
-    built = _registries()
+    built = _live_registries()
     shard_model(first)
-    after_first = _registries()
+    after_first = _live_registries()
     shard_model(second)
+    after_second = _live_registries()
+    # One constant shared by two modules: whichever is sharded first, both get its value.
+    scales = {}
+    for order in ("ab", "ba"):
+        with meta_device():
+            constant = torch.tensor(2.5)
+            models = {"a": _SharedConstant(constant), "b": _SharedConstant(constant)}
+        del constant
+        for name in order:
+            scales[order + name] = shard_model(models[name]).full_state_dict()["scale"].item()
     return {
-        "error": run["error"], "scale": run["initial"]["model.scale"].item(),
-        "counts": [before, after_fit, built, after_first, _registries()],
+        "error": run["error"], "scale": run["initial"]["model.scale"].item(), "shared": scales,
+        "counts": [before, after_fit, built, after_first, after_second, _live_registries()],
     }  # fmt: skip
 
 
@@ -405,8 +438,9 @@ def test_the_constructor_values_of_a_model_are_dropped_once_it_is_sharded():
     for facts in dist_run(2, _kept_constructor_values_run, timeout_s=120):
         assert facts["error"] is None, facts["error"]
         assert facts["scale"] == 2.0  # the kept value was used before it was dropped
-        before, after_fit, built, after_first, after_second = facts["counts"]
+        assert set(facts["shared"].values()) == {2.5}, facts["shared"]
+        before, after_fit, built, after_first, after_second, at_end = facts["counts"]
         assert after_fit == before, facts["counts"]  # the Trainer's model, sharded
         assert built == (before[0] + 2, before[1] + 2), facts["counts"]
         assert after_first == (before[0] + 1, before[1] + 1), facts["counts"]
-        assert after_second == before, facts["counts"]
+        assert after_second == at_end == before, facts["counts"]

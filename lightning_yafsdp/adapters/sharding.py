@@ -52,7 +52,7 @@ def shard_module(
         check_still_sharded(module, existing)
         return existing
     check_single_device(module)
-    if options.activation_checkpointing is not None:
+    if options.activation_checkpointing not in (None, (), []):
         train_without_kv_cache(module)
     built_on_meta = any(p.is_meta for p in module.parameters())
     if not built_on_meta:
@@ -107,13 +107,19 @@ def train_without_kv_cache(module: nn.Module) -> None:
         return
     configs = {}
     for submodule in module.modules():
-        if isinstance(submodule, transformers.PreTrainedModel) and submodule.config.use_cache:
+        # getattr: configs of models without a cache (ViT, ResNet, a composite's outer
+        # config) have no use_cache at all.
+        if isinstance(submodule, transformers.PreTrainedModel) and getattr(
+            submodule.config, "use_cache", False
+        ):
             configs.setdefault(id(submodule.config), (submodule.config, type(submodule).__name__))
-    for config, owner in configs.values():
+    for config, _ in configs.values():
         config.use_cache = False
+    if configs:  # one warning, naming every model whose cache went (T5: encoder and decoder)
+        owners = ", ".join(dict.fromkeys(owner for _, owner in configs.values()))
         rank_zero_warn(
             f"activation_checkpointing recomputes each block in backward, where the KV cache "
-            f"of {owner} would be written a second time: its config.use_cache is now False, "
+            f"of {owners} would be written a second time: its config.use_cache is now False, "
             "as under Hugging Face's own activation_checkpointing_enable() (pass use_cache=True to "
             "the calls that need a cache, such as generation)"
         )

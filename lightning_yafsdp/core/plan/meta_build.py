@@ -28,14 +28,17 @@ constructor itself, and three kinds are common enough to keep:
 Anything else the constructor computes stays refused by the init guard, with the fix.
 
 The registries of kinds 1 and 2 are read only while ``shard_model`` plans, checks,
-broadcasts and materializes (``constructor_values``, ``value_from_constructor``); after
-that the module's tensors are sharded and no longer the ones the registries know. So
-``shard_model`` takes the entries of the module's own parameters and buffers when it
-starts (``constructor_keys``) and drops them when it is done (``forget_constructor_values``):
-a registry entry holds a tensor, and would otherwise hold it for the life of the process.
-Entries of another module built under the same context and not sharded yet stay. A
-temporary the constructor made and dropped (never a parameter or buffer) is no one's and
-stays, bounded by ``CONSTRUCTOR_VALUE_MAX_NUMEL`` elements each.
+broadcasts and materializes (``constructor_values``, ``value_from_constructor``). They
+hold weak references to the storages they describe (``StorageWeakRef``, keyed by the
+storage's identity, which ``nn.Parameter(t)`` shares): a registry entry never keeps a
+tensor alive, and an entry whose storage is gone (the module was sharded, or the
+constructor's temporary was dropped) is stale. Every ``shard_model`` and every
+``meta_device()`` prunes stale entries first (``prune_constructor_values``), so beyond
+the values of modules not sharded yet (two models built in one context may share a
+constant: sharding one keeps the other's) the process keeps at most the small CPU
+values of the last sharded module's constants, until the next build or sharding. A weak
+reference also pins its storage's identity, so a key is never reused while its entry
+exists.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.utils import parametrize
 from torch.overrides import TorchFunctionMode
 
@@ -53,13 +57,11 @@ from torch.overrides import TorchFunctionMode
 # small draw, and a large one would cost its memory on every rank until setup).
 CONSTRUCTOR_VALUE_MAX_NUMEL = 1 << 16
 _FROM_DATA = (torch.tensor, torch.as_tensor)
-# The real tensors made under meta_device(), by storage address: nn.Parameter(t) shares
-# t's storage, so a parameter is found by its data pointer. Holding the tensors keeps the
-# addresses from being reused by another tensor (they are small by construction).
-_made_under_meta: dict[int, torch.Tensor] = {}
-# The values of meta tensors made from Python data, by the meta storage's identity (which
-# nn.Parameter(t) shares too): the meta tensor (kept, so the key stays unique) and its value.
-_values_of_meta: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+# The storages of the small real tensors made under meta_device() (kind 2), and of the
+# meta tensors made from Python data with their CPU values (kind 1); keyed by the
+# storage's identity, weakly held (see the note).
+_made_under_meta: dict[int, StorageWeakRef] = {}
+_values_of_meta: dict[int, tuple[StorageWeakRef, torch.Tensor]] = {}
 
 
 class _ConstructorData(TorchFunctionMode):
@@ -76,18 +78,20 @@ class _ConstructorData(TorchFunctionMode):
         result = func(*args, **kwargs)
         if not isinstance(result, torch.Tensor) or result.numel() > CONSTRUCTOR_VALUE_MAX_NUMEL:
             return result
+        storage = result.untyped_storage()
         if result.device.type != "meta":
             if result.numel():
-                _made_under_meta[result.untyped_storage().data_ptr()] = result
+                _made_under_meta[storage._cdata] = StorageWeakRef(storage)
         elif func in _FROM_DATA and kwargs.get("device") is None:
             value = func(*args, **{**kwargs, "device": "cpu"})
-            _values_of_meta[result.untyped_storage()._cdata] = (result, value)
+            _values_of_meta[storage._cdata] = (StorageWeakRef(storage), value)
         return result
 
 
 @contextmanager
 def meta_device() -> Iterator[None]:
     """``torch.device("meta")`` that keeps constructor values (see the note)."""
+    prune_constructor_values()
     with torch.device("meta"), _ConstructorData():
         yield
 
@@ -110,29 +114,16 @@ def constructor_values(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [
         (name, p)
         for name, p in params
-        if not p.is_meta and p.numel() and p.untyped_storage().data_ptr() in _made_under_meta
+        if not p.is_meta and p.numel() and p.untyped_storage()._cdata in _made_under_meta
     ]
 
 
-def constructor_keys(module: nn.Module) -> tuple[set[int], set[int]]:
-    """The registry keys of ``module``'s own parameters and buffers: (kind 2, kind 1)."""
-    real, meta = set(), set()
-    for tensor in (*module.parameters(), *module.buffers()):
-        storage = tensor.untyped_storage()
-        if tensor.is_meta:
-            meta.add(storage._cdata)
-        elif tensor.numel():
-            real.add(storage.data_ptr())
-    return real & _made_under_meta.keys(), meta & _values_of_meta.keys()
-
-
-def forget_constructor_values(keys: tuple[set[int], set[int]]) -> None:
-    """Drop the entries ``constructor_keys`` gave, once their module is sharded."""
-    real, meta = keys
-    for key in real:
-        _made_under_meta.pop(key, None)
-    for key in meta:
-        _values_of_meta.pop(key, None)
+def prune_constructor_values() -> None:
+    """Drop the entries whose storage is gone (a sharded module's, a dropped temporary's)."""
+    for key in [k for k, ref in _made_under_meta.items() if ref.expired()]:
+        del _made_under_meta[key]
+    for key in [k for k, (ref, _) in _values_of_meta.items() if ref.expired()]:
+        del _values_of_meta[key]
 
 
 def init_parametrized_weights(module: nn.Module) -> bool:

@@ -30,11 +30,7 @@ from lightning_yafsdp.core.plan.materialize import (
     ModelInitFactory,
     draw_init_seed,
 )
-from lightning_yafsdp.core.plan.meta_build import (
-    constructor_keys,
-    constructor_values,
-    forget_constructor_values,
-)
+from lightning_yafsdp.core.plan.meta_build import constructor_values, prune_constructor_values
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec, find_units, is_norm_module
 from lightning_yafsdp.core.plan.root_units import split_root
 from lightning_yafsdp.core.plan.schedule import (
@@ -167,7 +163,8 @@ def shard_model(
 
     # 2. Build: the master shards, filled one group at a time (materialized first when
     # built on meta), then the engine over them and its units and resident groups.
-    stats, init_on, built_values = CommStats(), None, constructor_keys(module)
+    stats, init_on = CommStats(), None
+    prune_constructor_values()  # [Note: constructor values in meta builds]
     if built_on_meta:
         _agree_on_constructor_values(module, mesh, device, stats)
         init_on = _materializer(module, plan, mesh, device, param_init_fn, model_init, stats)
@@ -187,7 +184,6 @@ def shard_model(
 
     # 3. Install: sharded parameters and hooks into the module, then what no group owns.
     _install(module, engine, init_on, sync_module_states, activation_checkpointing, stats)
-    forget_constructor_values(built_values)  # [Note: constructor values in meta builds]
     return engine
 
 
