@@ -64,6 +64,7 @@ class ResidentGroup(FlatParamGroup):
         self._view_version = -1
         self._views_differentiable = False
         self._views_in_graph = False  # differentiable views handed out since the last backward
+        self._gather_source: torch.Tensor | None = None  # what a gather in flight reads
 
     @timed_hook
     def start_gather(self) -> None:
@@ -85,6 +86,9 @@ class ResidentGroup(FlatParamGroup):
         if source is None:
             source = self.master_shard.to(ctx.param_dtype)
             after = ctx.scheduler.compute_marker()  # the gather reads the cast
+        # Kept until the gather is waited: freed earlier, the cast's memory could be
+        # reused on the compute stream while the comm stream still reads it (CUDA).
+        self._gather_source = source
         buffer.gather = ctx.scheduler.issue(
             "gather",
             unit=self.name,
@@ -104,6 +108,7 @@ class ResidentGroup(FlatParamGroup):
         if buffer.gather is not None:
             buffer.gather.wait()
             buffer.gather = None
+        self._gather_source = None
         version = self.context.compute_version
         differentiable = torch.is_grad_enabled()
         if self._view_version == version and (self._views_differentiable or not differentiable):
