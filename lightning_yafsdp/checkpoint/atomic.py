@@ -140,11 +140,11 @@ def failure_lines(error: BaseException | None, rank: int) -> list[tuple[int, str
     if error is None:
         return []
     if isinstance(error, CheckpointException):
-        return [(r, _one_line(exc)) for r, (exc, _) in sorted(error.failures.items())]
-    return [(rank, _one_line(error))]
+        return [(r, error_line(exc)) for r, (exc, _) in sorted(error.failures.items())]
+    return [(rank, error_line(error))]
 
 
-def _one_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
     first = first_line(error) if str(error).strip() else ""
     if _TORCH_SAVE_SHORT_WRITE in first:
         # torch.save's C++ writer reports a short write without the OS's errno.
