@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from lightning_yafsdp.checkpoint.atomic import error_line
-from lightning_yafsdp.checkpoint.gather import map_leaves
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
@@ -35,7 +35,7 @@ def stage(tree: Any) -> Any:
     collective runs on a staged copy.
     """
 
-    def copied(_: Any, value: Any) -> Any:
+    def copied(value: Any) -> Any:
         if isinstance(value, RangeShardedTensor):
             local = value._local.detach().to("cpu", copy=True)
             return RangeShardedTensor(local, value._placement, None)
@@ -43,7 +43,7 @@ def stage(tree: Any) -> Any:
             return value.detach().to("cpu", copy=True)
         return copy.deepcopy(value)
 
-    return map_leaves(tree, copied)
+    return pytree.tree_map(copied, tree)
 
 
 class BackgroundSaver:
