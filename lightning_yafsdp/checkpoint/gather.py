@@ -61,11 +61,8 @@ def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = T
     """``tree`` with every sharded leaf replaced by its full tensor (see the note above).
 
     Collective over ``group``. With ``rank0_only`` (default) other ranks get ``None``
-    leaves; with ``cpu`` every tensor of the kept result is on the CPU.
-
-    Raises:
-        CheckpointMismatchError: on every rank, if the ranks' trees differ or a leaf's
-            pieces do not tile its tensor.
+    leaves; with ``cpu`` every tensor of the kept result is on the CPU. Raises
+    ``CheckpointMismatchError`` on every rank if the ranks' trees or pieces do not fit.
     """
     rank, world = world_info(group)
     found = sharded_leaves(tree)

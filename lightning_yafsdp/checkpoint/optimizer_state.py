@@ -69,9 +69,8 @@ def optimizer_entry(
     """An optimizer's state as a checkpoint holds it: name-keyed ranges, or for ``"full"``
     torch's layout with full tensors on rank 0 (``{}`` elsewhere; collective)."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # a Lightning/Fabric wrapper
-    if kind == "full":
-        return full_optimizer_state_dict(engine, optimizer)
-    return sharded_optimizer_state_dict(engine, optimizer)
+    entry = full_optimizer_state_dict if kind == "full" else sharded_optimizer_state_dict
+    return entry(engine, optimizer)
 
 
 def sharded_optimizer_state_dict(

@@ -46,10 +46,6 @@ FORMAT_VERSION = 2  # 2: per-parameter optimizer groups (DCP's protocol writes t
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
 
 
-def optimizer_key(index: int) -> str:
-    return f"optimizer_{index}"
-
-
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """True if ``path`` is a directory with a DCP ``.metadata`` file."""
     return Path(path).is_dir() and (Path(path) / DCP_METADATA_FILENAME).is_file()
@@ -146,7 +142,7 @@ def _dcp_state_and_meta(
     """What DCP writes (weights, optimizers, sharded extras) and what ``meta.pt`` holds."""
     state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
     for i, optimizer_state in enumerate(optimizer_states):
-        state[optimizer_key(i)] = dict(optimizer_state)
+        state[f"optimizer_{i}"] = dict(optimizer_state)
     meta = dict(extra or {})
     sharded_keys = [key for key, value in meta.items() if sharded_leaves(value)]
     for key in sharded_keys:
@@ -187,15 +183,15 @@ def load_sharded(
     check_optimizer_count(path, saved=layout.num_optimizers, given=len(optimizers))
     extra_keys = [k for k in meta.get(FORMAT_KEY, {}).get("sharded_keys", []) if k in layout.top]
     targets = {layout.model_key: {n: v for n, v in model.items() if n in layout.model_shapes}}
-    for key in [optimizer_key(i) for i in range(len(optimizers))] + extra_keys:
+    for key in [f"optimizer_{i}" for i in range(len(optimizers))] + extra_keys:
         targets[key] = layout.read_targets(key, lambda p, md: _target(names, model, p, md))
     for i in range(len(optimizers)):
-        state = targets[optimizer_key(i)].get("state", {})
+        state = targets[f"optimizer_{i}"].get("state", {})
         check_state_names(names, state, what=f"optimizer {i} in checkpoint {path}")
     dcp.load(targets, storage_reader=FileSystemReader(path), process_group=engine.group)
     engine.mark_weights_changed()
     for i, optimizer in enumerate(optimizers):
-        saved = targets[optimizer_key(i)]
+        saved = targets[f"optimizer_{i}"]
         optimizer.load_state_dict(optimizer_state_to_load(names, optimizer, saved))
     return {**meta, **{key: targets[key] for key in extra_keys}}
 

@@ -1,8 +1,5 @@
-"""Model state dicts of a sharded engine, under the original parameter names.
-
-The source is the model's own ``state_dict()`` (an override honoured): sharded
-parameters are ``RangeShardedTensor``s, which DCP saves and loads as they are ([Note:
-element ranges as boxes]); buffers and replicated frozen parameters are plain tensors.
+"""Model state dicts of a sharded engine: the model's own ``state_dict()``, whose sharded
+parameters are ``RangeShardedTensor``s ([Note: element ranges as boxes]).
 """
 
 from __future__ import annotations

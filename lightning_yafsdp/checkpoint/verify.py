@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 import zlib
 from pathlib import Path
@@ -239,9 +240,8 @@ def _verify_directory(path: Path) -> dict[str, dict] | None:
 
 def _writer_rank(name: str) -> int:
     """The rank that wrote DCP's ``__<rank>_<i>.distcp`` (0 for every other file)."""
-    parts = name.split("_")
-    is_shard = name.startswith("__") and len(parts) >= 4 and parts[2].isdigit()
-    return int(parts[2]) if is_shard else 0
+    match = re.match(r"__(\d+)_\d+\.distcp$", name)
+    return int(match[1]) if match else 0
 
 
 def _compare_checksums(path: Path, recorded: dict[str, dict]) -> None:
