@@ -74,7 +74,7 @@ from lightning_yafsdp.checkpoint.fabric_format import (
     read_checkpoint_extras,
 )
 from lightning_yafsdp.checkpoint.optimizer_state import optimizer_entry
-from lightning_yafsdp.checkpoint.state import StateDictType, model_entry, module_state
+from lightning_yafsdp.checkpoint.state import StateDictType, model_entry
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.plan.meta_build import meta_device
 from lightning_yafsdp.core.plan.policy import NormSpec, UnitsSpec
@@ -500,7 +500,7 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
         )
         # Hooks and callbacks that read it (WeightAveraging.on_load_checkpoint) get the
         # module's state_dict() after loading: sharded views.
-        checkpoint["state_dict"] = module_state(self.engine)
+        checkpoint["state_dict"] = self.engine.root.state_dict()
         if FABRIC_KEYS not in checkpoint:
             return checkpoint
         rank_zero_warn(

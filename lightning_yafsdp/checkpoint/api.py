@@ -63,13 +63,11 @@ def load_checkpoint(
     """Load a sharded directory or a single file (ours, DDP's, a consolidated one, a bare
     state dict) into ``engine`` and ``optimizers``, at any world size (collective).
 
-    Every file is verified first, with its checksums unless ``verify_checksums=False``,
-    and names and shapes are checked, so nothing is loaded from a damaged or mismatched
-    checkpoint. ``expected``: the entry names of a Fabric file (``split_full_checkpoint``).
-    Returns ``extra`` (for a Lightning checkpoint: all but weights and optimizer states).
-
-    Raises:
-        NotACheckpointError, DamagedCheckpointError, CheckpointMismatchError.
+    Verified first (CRC-32s unless ``verify_checksums=False``), names and shapes checked:
+    a damaged or mismatched checkpoint raises (``NotACheckpointError``,
+    ``DamagedCheckpointError``, ``CheckpointMismatchError``) before anything is loaded.
+    ``expected``: the entry names of a Fabric file (``split_full_checkpoint``). Returns
+    ``extra`` (for a Lightning checkpoint: all but weights and optimizer states).
     """
     path = Path(path)
     # A save killed between its two renames ([Note: atomic commit]) is undone first.

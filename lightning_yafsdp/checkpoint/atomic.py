@@ -15,12 +15,10 @@ gets the mode a plain ``open()`` gives, ``0o666 & ~umask`` (directories ``0o777`
 
 [Note: a failed write is one line]
 Ranks agree on each phase's outcome with one object all-gather of error messages
-(``agree``), so a failure on one rank raises the same ``CheckpointSaveError`` on every
-rank instead of leaving the others in a collective. DCP's write error is one
-``CheckpointException`` (a ``BaseException``) holding every rank's traceback, 200+
-lines naming no checkpoint: ``agree`` makes it one ``rank r: Type: first line`` per
-failed rank, plus what a retry needs: the checkpoint's bytes, what is free there, and
-that the previous checkpoint stays until the new one is complete (room for both).
+(``agree``), so a failure on any rank raises the same ``CheckpointSaveError`` on every
+rank instead of leaving the others in a collective: one ``rank r: Type: first line`` per
+failed rank (DCP's ``CheckpointException`` holds 200+ lines of tracebacks naming no
+checkpoint) and what a retry needs (docs/design.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -140,11 +138,11 @@ def failure_lines(error: BaseException | None, rank: int) -> list[tuple[int, str
     if error is None:
         return []
     if isinstance(error, CheckpointException):
-        return [(r, _one_line(exc)) for r, (exc, _) in sorted(error.failures.items())]
-    return [(rank, _one_line(error))]
+        return [(r, error_line(exc)) for r, (exc, _) in sorted(error.failures.items())]
+    return [(rank, error_line(error))]
 
 
-def _one_line(error: BaseException) -> str:
+def error_line(error: BaseException) -> str:
     first = first_line(error) if str(error).strip() else ""
     if _TORCH_SAVE_SHORT_WRITE in first:
         # torch.save's C++ writer reports a short write without the OS's errno.

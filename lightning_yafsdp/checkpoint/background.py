@@ -1,18 +1,15 @@
 """Background saves: staged on the main thread, written in a thread on a gloo group of their own.
 
 [Note: background saves]
-With ``async_save=True`` a sharded save returns once the DCP state dict is STAGED
-(copied to CPU, ``stage``) and ``meta.pt`` pickled; training may then change the model in
-place. One worker thread runs the synchronous save's write ([Note: atomic commit]: DCP's
-files, ``meta.pt``, the manifest, the rename), so a kill -9 at any moment leaves the
-previous checkpoint intact. Its collectives run on a gloo group created for it (two
-threads on one group would interleave their collectives), as torchtitan does. Not
+A save returns once its DCP state dict is staged (copied to CPU, ``stage``) and
+``meta.pt`` pickled; one worker thread then runs the synchronous save's write, atomic
+commit included (a kill -9 leaves the previous checkpoint intact), one at a time, on a
+gloo group of its own (two threads' collectives on one group would interleave). Not
 ``dcp.async_save``: its stager reads raw storage (``data_ptr``), which a
 ``RangeShardedTensor`` refuses, and its future completes before the manifest and commit.
 Not Lightning's ``AsyncCheckpointIO``: it runs a per-rank save, and ours is collective.
-One save at a time: the next save, a load and the end of training ``wait()``. A failed
-write is never lost: ``poll()`` gives its line once at the next step, and ``wait()``
-raises it at the next save, load or end of fit, on every rank at the same point.
+A failed write is never lost: ``poll()`` gives its line once at the next step, and
+``wait()`` (the next save, a load, the end of training) raises it on every rank.
 """
 
 from __future__ import annotations
@@ -25,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
-from lightning_yafsdp.checkpoint.atomic import failure_lines
-from lightning_yafsdp.checkpoint.gather import map_leaves, world_info
+from lightning_yafsdp.checkpoint.atomic import error_line
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
@@ -38,7 +35,7 @@ def stage(tree: Any) -> Any:
     collective runs on a staged copy.
     """
 
-    def copied(_: Any, value: Any) -> Any:
+    def copied(value: Any) -> Any:
         if isinstance(value, RangeShardedTensor):
             local = value._local.detach().to("cpu", copy=True)
             return RangeShardedTensor(local, value._placement, None)
@@ -46,7 +43,7 @@ def stage(tree: Any) -> Any:
             return value.detach().to("cpu", copy=True)
         return copy.deepcopy(value)
 
-    return map_leaves(tree, copied)
+    return pytree.tree_map(copied, tree)
 
 
 class BackgroundSaver:
@@ -114,6 +111,4 @@ class BackgroundSaver:
 
 
 def _one_line(failure: BaseException) -> str:
-    lines = failure_lines(failure, world_info()[0])
-    detail = lines[0][1] if lines else type(failure).__name__
-    return f"a background checkpoint save failed: {detail}"
+    return f"a background checkpoint save failed: {error_line(failure)}"

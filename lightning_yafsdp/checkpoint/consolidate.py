@@ -56,12 +56,8 @@ def consolidated_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 def inspect_checkpoint(path: str | os.PathLike, *, checksums: bool = False) -> dict[str, Any]:
     """What a checkpoint is, without reading its tensors (``checksums``: CRC-32s compared).
-
-    Returns ``path``, ``kind`` ("sharded"/"full"), ``step`` (``global_step``, else
-    ``extra["step"]``), ``epoch``, ``world_size`` and ``shard_size`` (None for foreign
-    files), ``parameter_count`` (sharded parameters, else every floating weight),
-    ``num_tensors``, ``tensor_names``, ``num_optimizers``, ``size_bytes``, ``verified``.
-    """
+    ``world_size`` and ``shard_size`` are None for foreign files; ``parameter_count`` counts
+    the sharded parameters, else every floating weight."""
     path = Path(path)
     verified = verify_checkpoint(path, checksums=checksums)
     if path.is_file():

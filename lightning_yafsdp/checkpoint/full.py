@@ -1,10 +1,6 @@
-"""Full (single-file) checkpoints: written by rank 0, read by every rank.
-
-Lightning's DDP layout, ``{"state_dict": {name: full tensor}, "optimizer_states":
-[torch's optimizer layout], ...extra}``, so ``load_from_checkpoint`` and a DDP run read
-it; Fabric's layout keeps every entry under the user's key (``fabric_keys``). Reading
-also takes a DDP file ([Note: index-keyed optimizer state by position]), Lightning's
-consolidated FSDP file (``"model"``, ``optimizer_<i>``) and a bare state dict.
+"""Full (single-file) checkpoints, written by rank 0 and read by every rank: Lightning's
+DDP layout (``"state_dict"``, ``"optimizer_states"``) or Fabric's. Reading also takes a
+DDP file, Lightning's consolidated FSDP file and a bare state dict.
 """
 
 from __future__ import annotations

@@ -16,44 +16,25 @@ Tied aliases (the same piece under two paths) are gathered once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from lightning_yafsdp.checkpoint.errors import CheckpointMismatchError
 from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into, all_gather_objects
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
-Path = tuple[Any, ...]  # keys and list positions from the root to a leaf
 
-
-def map_leaves(tree: Any, fn: Callable[[Path, Any], Any], path: Path = ()) -> Any:
-    """``tree`` with every non-container leaf ``x`` at ``path`` replaced by ``fn(path, x)``.
-
-    A container is rebuilt only if one of its leaves changed (named tuples keep their type).
-    """
-    if isinstance(tree, dict):
-        mapped = {k: map_leaves(v, fn, (*path, k)) for k, v in tree.items()}
-        return tree if all(mapped[k] is tree[k] for k in tree) else mapped
-    if isinstance(tree, (list, tuple)):
-        items = [map_leaves(v, fn, (*path, i)) for i, v in enumerate(tree)]
-        if all(a is b for a, b in zip(items, tree, strict=True)):
-            return tree
-        return type(tree)(*items) if hasattr(tree, "_fields") else type(tree)(items)
-    return fn(path, tree)
-
-
-def sharded_leaves(tree: Any) -> list[tuple[Path, RangeShardedTensor]]:
-    """Every ``RangeShardedTensor`` in ``tree`` with its path, in tree order."""
-    found: list[tuple[Path, Any]] = []
-    map_leaves(tree, lambda path, v: found.append((path, v)))
+def sharded_leaves(tree: Any) -> list[tuple[tuple, RangeShardedTensor]]:
+    """Every ``RangeShardedTensor`` in ``tree`` with its pytree key path, in tree order."""
+    found = pytree.tree_leaves_with_path(tree)
     return [(path, v) for path, v in found if isinstance(v, RangeShardedTensor)]
 
 
-def describe_path(path: Path) -> str:
-    return "".join(f"[{p!r}]" for p in path) or "<root>"
+def describe_path(path: tuple) -> str:
+    return pytree.keystr(path) or "<root>"
 
 
 def tensor_bytes(tree: Any, *, whole: bool = True) -> int:
@@ -61,17 +42,11 @@ def tensor_bytes(tree: Any, *, whole: bool = True) -> int:
 
     For the message of a failed save ([Note: a failed write is one line]).
     """
-    total = 0
-
-    def count(_: Path, value: Any) -> None:
-        nonlocal total
-        if isinstance(value, RangeShardedTensor):
-            total += value._local.nbytes
-        elif isinstance(value, torch.Tensor) and whole:
-            total += value.nbytes
-
-    map_leaves(tree, count)
-    return total
+    return sum(
+        v._local.nbytes if isinstance(v, RangeShardedTensor) else v.nbytes * whole
+        for v in pytree.tree_leaves(tree)
+        if isinstance(v, torch.Tensor)
+    )
 
 
 def world_info(group=None) -> tuple[int, int]:
@@ -86,11 +61,8 @@ def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = T
     """``tree`` with every sharded leaf replaced by its full tensor (see the note above).
 
     Collective over ``group``. With ``rank0_only`` (default) other ranks get ``None``
-    leaves; with ``cpu`` every tensor of the kept result is on the CPU.
-
-    Raises:
-        CheckpointMismatchError: on every rank, if the ranks' trees differ or a leaf's
-            pieces do not tile its tensor.
+    leaves; with ``cpu`` every tensor of the kept result is on the CPU. Raises
+    ``CheckpointMismatchError`` on every rank if the ranks' trees or pieces do not fit.
     """
     rank, world = world_info(group)
     found = sharded_leaves(tree)
@@ -114,7 +86,7 @@ def gather_full(tree: Any, *, group=None, rank0_only: bool = True, cpu: bool = T
             value = results[path]
         return value.detach().cpu() if cpu and keep and isinstance(value, torch.Tensor) else value
 
-    return map_leaves(tree, full_leaf)
+    return pytree.tree_map_with_path(full_leaf, tree)
 
 
 def _range(value: RangeShardedTensor) -> tuple[int, int]:

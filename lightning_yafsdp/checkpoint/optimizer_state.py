@@ -1,9 +1,5 @@
-"""Optimizer state of a sharded engine, per original parameter, under its name.
-
-The checkpoint form is torch's ``get_optimizer_state_dict`` layout for FSDP2 (so either
-reads the other's DCP entries): ``{"state": {name: {"exp_avg": <RangeShardedTensor>,
-"step": tensor}}, "param_groups": [{hyperparameters, "params": [names]}]}``. A full file
-uses torch's index-keyed layout with each group's ``"param_names"``.
+"""Optimizer state of a sharded engine, per original parameter, under its name: torch's
+``get_optimizer_state_dict`` layout, a full file torch's index-keyed one (docs/design.md).
 
 [Note: index-keyed optimizer state by position]
 ``optimizer.state_dict()`` numbers parameters in the order the optimizer holds them,
@@ -73,9 +69,8 @@ def optimizer_entry(
     """An optimizer's state as a checkpoint holds it: name-keyed ranges, or for ``"full"``
     torch's layout with full tensors on rank 0 (``{}`` elsewhere; collective)."""
     optimizer = getattr(optimizer, "_optimizer", optimizer)  # a Lightning/Fabric wrapper
-    if kind == "full":
-        return full_optimizer_state_dict(engine, optimizer)
-    return sharded_optimizer_state_dict(engine, optimizer)
+    entry = full_optimizer_state_dict if kind == "full" else sharded_optimizer_state_dict
+    return entry(engine, optimizer)
 
 
 def sharded_optimizer_state_dict(
@@ -133,12 +128,10 @@ def optimizer_state_to_load(
         position[name]: {key: _local_value(names, name, key, v) for key, v in entry.items()}
         for name, entry in saved_state.items()
     }
-    groups, cursor = [], 0
-    for group, hyper in zip(optimizer.param_groups, hyperparameters, strict=True):
+    groups = []
+    for group, now, hyper in zip(optimizer.param_groups, current, hyperparameters, strict=True):
         kept = {k: group[k] for k in ("param_names",) if k in group}
-        size = len(group["params"])
-        groups.append({**hyper, **kept, "params": list(range(cursor, cursor + size))})
-        cursor += size
+        groups.append({**hyper, **kept, "params": [position[n] for n in now["params"]]})
     return {"state": state, "param_groups": groups}
 
 

@@ -1,10 +1,7 @@
 """Sharded checkpoints: a torch.distributed.checkpoint directory plus ``meta.pt``.
 
-The layout of Lightning's FSDP strategy (docs/design.md, "Checkpoints"): DCP keys
-``model`` and ``optimizer_<i>`` (name-keyed, ``optimizer_state.py``) and any top-level
-entry holding sharded tensors (``meta.pt["yafsdp"]["sharded_keys"]``); ``meta.pt`` holds
-the rest; ``yafsdp-manifest.json`` every file's size and CRC-32. DCP's default planners
-write and read every ``RangeShardedTensor`` ([Note: element ranges as boxes]).
+The layout and its DCP keys: docs/design.md, "Checkpoints". DCP's default planners write
+and read every ``RangeShardedTensor`` ([Note: element ranges as boxes]).
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from lightning_yafsdp.checkpoint.optimizer_state import (
     check_state_names,
     optimizer_state_to_load,
 )
-from lightning_yafsdp.checkpoint.state import check_targets, module_state
+from lightning_yafsdp.checkpoint.state import check_targets
 from lightning_yafsdp.checkpoint.verify import META_FILENAME, write_manifest
 from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
@@ -47,10 +44,6 @@ MODEL_PARALLEL_MODEL_KEY = "state_dict"
 FORMAT_KEY = "yafsdp"
 FORMAT_VERSION = 2  # 2: per-parameter optimizer groups (DCP's protocol writes the same files)
 _OPTIMIZER_KEY = re.compile(r"optimizer_(\d+)$")
-
-
-def optimizer_key(index: int) -> str:
-    return f"optimizer_{index}"
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
@@ -104,8 +97,11 @@ def save_sharded(
         background.wait()  # one save in flight at a time; raises a failed one's error
     state, meta = _dcp_state_and_meta(engine, model_state, optimizer_states, extra)
     bytes_here = tensor_bytes(state, whole=engine.rank == 0)
-    # Rank 0 writes meta.pt: pickled now, so a background write holds a copy of it.
-    meta_bytes = _serialized(meta) if engine.rank == 0 else b""
+    # Rank 0 writes meta.pt: pickled now, so a background write holds a copy of it; a
+    # failure to pickle is reported by every rank in the write phase.
+    buffer = io.BytesIO()
+    failure = atomic.attempt(lambda: torch.save(meta, buffer)) if engine.rank == 0 else None
+    meta_bytes = failure or buffer.getvalue()
     path = Path(path)
     if background is None:
         _write_sharded(path, state, meta_bytes, group=engine.group, bytes_here=bytes_here)
@@ -137,16 +133,6 @@ def _write_sharded(
         write_manifest(tmp, rank_zero_files=(META_FILENAME,), group=group, failure=failure)
 
 
-def _serialized(meta: Mapping[str, Any]) -> bytes | Exception:
-    """``meta`` pickled, or why it cannot be (reported by every rank in the write phase)."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(dict(meta), buffer)
-    except Exception as exc:  # noqa: BLE001 - see above
-        return exc
-    return buffer.getvalue()
-
-
 def _dcp_state_and_meta(
     engine: YaFSDPEngine,
     model_state: Mapping[str, Any],
@@ -156,7 +142,7 @@ def _dcp_state_and_meta(
     """What DCP writes (weights, optimizers, sharded extras) and what ``meta.pt`` holds."""
     state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
     for i, optimizer_state in enumerate(optimizer_states):
-        state[optimizer_key(i)] = dict(optimizer_state)
+        state[f"optimizer_{i}"] = dict(optimizer_state)
     meta = dict(extra or {})
     sharded_keys = [key for key, value in meta.items() if sharded_leaves(value)]
     for key in sharded_keys:
@@ -191,21 +177,21 @@ def load_sharded(
     layout = CheckpointLayout(FileSystemReader(path).read_metadata())
     meta = read_meta(path)
     names = ParamNames(engine)
-    model = module_state(engine)
+    model = engine.root.state_dict()  # sharded values are views of the parameters
     # Everything .metadata can tell is checked before anything is read.
     check_targets(engine, model, layout.model_shapes, strict=strict, what=f"checkpoint {path}")
     check_optimizer_count(path, saved=layout.num_optimizers, given=len(optimizers))
     extra_keys = [k for k in meta.get(FORMAT_KEY, {}).get("sharded_keys", []) if k in layout.top]
     targets = {layout.model_key: {n: v for n, v in model.items() if n in layout.model_shapes}}
-    for key in [optimizer_key(i) for i in range(len(optimizers))] + extra_keys:
+    for key in [f"optimizer_{i}" for i in range(len(optimizers))] + extra_keys:
         targets[key] = layout.read_targets(key, lambda p, md: _target(names, model, p, md))
     for i in range(len(optimizers)):
-        state = targets[optimizer_key(i)].get("state", {})
+        state = targets[f"optimizer_{i}"].get("state", {})
         check_state_names(names, state, what=f"optimizer {i} in checkpoint {path}")
     dcp.load(targets, storage_reader=FileSystemReader(path), process_group=engine.group)
     engine.mark_weights_changed()
     for i, optimizer in enumerate(optimizers):
-        saved = targets[optimizer_key(i)]
+        saved = targets[f"optimizer_{i}"]
         optimizer.load_state_dict(optimizer_state_to_load(names, optimizer, saved))
     return {**meta, **{key: targets[key] for key in extra_keys}}
 

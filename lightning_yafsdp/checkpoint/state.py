@@ -1,8 +1,5 @@
-"""Model state dicts of a sharded engine, under the original parameter names.
-
-The source is the model's own ``state_dict()`` (an override honoured): sharded
-parameters are ``RangeShardedTensor``s, which DCP saves and loads as they are ([Note:
-element ranges as boxes]); buffers and replicated frozen parameters are plain tensors.
+"""Model state dicts of a sharded engine: the model's own ``state_dict()``, whose sharded
+parameters are ``RangeShardedTensor``s ([Note: element ranges as boxes]).
 """
 
 from __future__ import annotations
@@ -19,11 +16,6 @@ from lightning_yafsdp.core import YaFSDPEngine
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 StateDictType = Literal["sharded", "full"]
-
-
-def module_state(engine: YaFSDPEngine) -> dict[str, Any]:
-    """``engine.root.state_dict()``: sharded values are views of the parameters."""
-    return dict(engine.root.state_dict())
 
 
 def model_entry(engine: YaFSDPEngine, module: nn.Module, kind: StateDictType) -> dict[str, Any]:
@@ -50,7 +42,7 @@ def full_model_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Full weights under the original names, gathered one tensor at a time (collective).
     With ``rank0_only`` (default) ranks other than 0 return ``{}``."""
-    full = gather_shards(engine, module_state(engine), rank0_only=rank0_only, cpu=cpu)
+    full = gather_shards(engine, engine.root.state_dict(), rank0_only=rank0_only, cpu=cpu)
     if rank0_only and engine.rank != 0:
         return {}
     return {name: value.detach() for name, value in full.items()}
@@ -66,7 +58,7 @@ def load_full_model_state_dict(
     that cheap) and copies only its own elements. A mismatch raises
     ``CheckpointMismatchError`` before anything is modified.
     """
-    targets = module_state(engine)
+    targets = engine.root.state_dict()
     check_targets(engine, targets, {k: v.shape for k, v in state_dict.items()}, strict=strict)
     for name, target in targets.items():
         if name not in state_dict:

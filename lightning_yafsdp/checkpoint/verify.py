@@ -1,28 +1,26 @@
 """Is a checkpoint complete and unchanged? Recorded at save, checked before anything is read.
 
 [Note: checkpoint manifest]
-A sharded save ends with ``yafsdp-manifest.json``: ``{"manifest_version": 1, "files":
-{name: {"bytes": int, "crc32": "8 hex digits"}}}``, inside the atomic save. Each rank
-digests the files it just wrote (from the page cache: 0.18 s of a 1.9 s save of 121 MiB
-on 2 ranks), rank 0 also ``.metadata`` and ``meta.pt``; one object all-gather brings
-the digests to rank 0. Directories of Lightning's or torch's own strategies have none
+A sharded save ends with ``yafsdp-manifest.json``, ``{"manifest_version": 1, "files":
+{name: {"bytes": int, "crc32": "8 hex digits"}}}``: each rank digests the files it just
+wrote (from the page cache), rank 0 also ``.metadata`` and ``meta.pt``, and one object
+all-gather brings the digests to rank 0. Lightning's and torch's directories have none
 and verify by the sizes ``.metadata`` implies.
 
 [Note: verify before reading]
 A truncated or missing file otherwise surfaces deep in DCP or ``torch.load`` as a bare
-``EOFError`` naming no file, on every rank, after the model may be half loaded. So every
-reader first checks, without reading tensors: a directory's manifest sizes, that
-``.metadata`` unpickles, ``meta.pt`` is a complete zip, and every storage file is as
-long as its items' largest ``offset + length``; a single file's zip directory (written
-last, so any truncation removes it) and entry extents. A legacy (non-zip) ``torch.save``
-file is left to ``torch.load``. In a process group rank 0 checks and tells the others,
-so the message naming the bad file appears once.
+``EOFError`` on every rank, after the model may be half loaded. So rank 0 first checks,
+reading no tensors, a directory's manifest sizes, that ``.metadata`` unpickles and
+``meta.pt`` is a complete zip, and every storage file's length; a single file's zip
+directory (written last) and entry extents (a legacy non-zip file is left to
+``torch.load``); then it tells the others, so the message appears once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import zipfile
 import zlib
 from pathlib import Path
@@ -30,7 +28,7 @@ from typing import Any, NoReturn
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME
+from lightning_yafsdp.checkpoint.atomic import DCP_METADATA_FILENAME, attempt, error_line
 from lightning_yafsdp.checkpoint.errors import (
     DamagedCheckpointError,
     NotACheckpointError,
@@ -148,19 +146,12 @@ def write_manifest(
     nothing is written: the rank that failed raises ``failure``, the others ``OSError``.
     """
     rank, world_size = world_info(group)
+    own = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
+    own += [DCP_METADATA_FILENAME, *rank_zero_files] if rank == 0 else []
     digests: dict[str, Any] = {}
-    error = None if failure is None else f"rank {rank}: {type(failure).__name__}: {failure}"
-    if failure is None:
-        own = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
-        if rank == 0:
-            own += [DCP_METADATA_FILENAME, *rank_zero_files]
-        try:
-            digests = {name: file_digest(directory / name) for name in own}
-        except OSError as exc:
-            error = f"rank {rank}: {type(exc).__name__}: {exc}"
-    gathered = [(digests, error)]
-    if world_size > 1:
-        gathered = all_gather_objects((digests, error), group=group)
+    error = failure or attempt(lambda: digests.update({n: file_digest(directory / n) for n in own}))
+    report = (digests, None if error is None else f"rank {rank}: {error_line(error)}")
+    gathered = all_gather_objects(report, group=group) if world_size > 1 else [report]
     if failure is not None:
         raise failure
     errors = [e for _, e in gathered if e is not None]
@@ -249,9 +240,8 @@ def _verify_directory(path: Path) -> dict[str, dict] | None:
 
 def _writer_rank(name: str) -> int:
     """The rank that wrote DCP's ``__<rank>_<i>.distcp`` (0 for every other file)."""
-    parts = name.split("_")
-    is_shard = name.startswith("__") and len(parts) >= 4 and parts[2].isdigit()
-    return int(parts[2]) if is_shard else 0
+    match = re.match(r"__(\d+)_\d+\.distcp$", name)
+    return int(match[1]) if match else 0
 
 
 def _compare_checksums(path: Path, recorded: dict[str, dict]) -> None:
