@@ -368,8 +368,8 @@ class StrategyConfig:
             chunks of at most a block each, so no buffer is vocabulary-sized; what stays
             whole is named by ``yafsdp estimate``.
         blocks_per_unit: ``"auto"`` (default): consecutive small blocks are gathered and
-            reduced as one unit until it holds 4M elements (at least 4 units of blocks
-            kept; blocks of 4M elements or more stay one per unit), so few collectives
+            reduced as one unit of at most 4M elements (at least 4 units of blocks kept;
+            blocks of more than 2M elements stay one per unit), so few collectives
             carry enough bytes; a number: that many blocks per unit (``1``: one block per
             unit). ``yafsdp estimate`` prints the units chosen; activation checkpointing
             counts these units.

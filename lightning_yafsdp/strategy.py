@@ -175,9 +175,9 @@ class YaFSDPStrategy(ShardingState, BackgroundSaving, ParallelStrategy):
             units, each gathered at once (docs/design.md, Row chunks).
         blocks_per_unit: Consecutive blocks gathered and reduce-scattered as one unit,
             so small blocks pay one collective's fixed cost together (docs/design.md,
-            Grouped blocks). ``"auto"`` (default): auto-detected blocks under 4M elements
-            are grouped until a unit holds 4M, keeping at least 4 units of blocks; larger
-            blocks (any model above ~1B parameters) stay one per unit, and units named with
+            Grouped blocks). ``"auto"`` (default): as many auto-detected blocks as fit in
+            4M elements are one unit, keeping at least 4 units of blocks; blocks of more
+            than 2M elements (a Llama of dim 512 and up) stay one per unit, and units named with
             ``units=`` stay as named. A number groups that many blocks (auto-detected or
             named); 1 keeps one block per unit. Buffer slots are sized to a unit.
 

@@ -66,6 +66,9 @@ def test_auto_keeps_blocks_of_four_million_elements_one_per_unit():
     assert auto_blocks_per_unit([4 * 2**20] * 64) == 1
     assert auto_blocks_per_unit([2**20] * 64) == 4
     assert auto_blocks_per_unit([2**20] * 6) == 1  # 4 units of blocks at least
+    # A group never holds more than 4M elements: debug-50m's 3.1M blocks stay single.
+    assert auto_blocks_per_unit([3 * 2**20] * 16) == 1
+    assert auto_blocks_per_unit([2**20 + 1] * 64) == 3
 
 
 def test_a_number_groups_that_many_in_near_equal_groups():

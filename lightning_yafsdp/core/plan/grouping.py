@@ -15,11 +15,17 @@ member (LayerDrop), calling members out of order or recomputing one under activa
 checkpointing work as for any unit. Exactness is unchanged: the same grads are summed in
 the same dtype, in a bigger flat buffer.
 
-``blocks_per_unit="auto"`` (the default) groups the auto-detected blocks so that each
-unit holds at least ``MIN_UNIT_NUMEL`` elements, keeping at least ``MIN_BLOCK_UNITS``
-units of blocks so that the next unit's gather still overlaps the current one's compute
-(the first unit's gather is always exposed). Blocks of 4M elements or more (any model
-above ~1B parameters) stay one per unit. Units given with ``units=`` stay as given unless
+``blocks_per_unit="auto"`` (the default) groups as many auto-detected blocks as fit in
+``MIN_UNIT_NUMEL`` elements, never more, keeping at least ``MIN_BLOCK_UNITS`` units of
+blocks so that the next unit's gather still overlaps the current one's compute (the first
+unit's gather is always exposed). A group never exceeds the threshold because a bigger
+unit costs where latency no longer dominates: its slots (memory), its exposed first
+gather, and on CPU the gloo copies of a buffer twice as large. Measured on debug-50m
+(blocks of 3.1M elements, 2 gloo ranks, three interleaved rounds; ``benchmarks/compare.py
+--strategies floor,ddp,yafsdp,yafsdp-ungrouped``): pairs of 6.3M cost 120 ms more CPU
+per step than single blocks in both of two runs (+534 against +410 ms over the floor),
+and 47 MiB of peak RSS. Blocks of more than 2M elements (a Llama of dim 512 and up)
+stay one per unit. Units given with ``units=`` stay as given unless
 ``blocks_per_unit`` is a number. The grouping is part of the plan, so ``yafsdp estimate``
 sizes the same slots as the engine.
 """
@@ -32,9 +38,9 @@ import re
 
 from torch import nn
 
-# Elements per unit below which a gather is latency-bound: at ~2-5 GB/s (gloo on CPU
-# loopback) or ~100 GB/s (NCCL within a node) per rank, 4M elements (8-16 MB) take
-# several times a collective's fixed cost (0.3-1 ms on gloo here, ~30 us on NCCL).
+# Elements a group of blocks may hold: below it a gather is latency-bound: at ~2-5 GB/s
+# (gloo on CPU loopback) or ~100 GB/s (NCCL within a node) per rank, 4M elements (8-16
+# MB) take several times a collective's fixed cost (0.3-1 ms on gloo here, ~30 us on NCCL).
 MIN_UNIT_NUMEL = 4 * 2**20
 # Units of blocks the auto rule keeps at least: prefetch needs a next unit to overlap.
 MIN_BLOCK_UNITS = 4
@@ -68,11 +74,12 @@ def group_blocks(
 
 
 def auto_blocks_per_unit(block_numels: list[int]) -> int:
-    """How many blocks of these sizes (elements) ``"auto"`` puts in one unit."""
+    """How many blocks of these sizes (elements) ``"auto"`` puts in one unit: as many as
+    fit in ``MIN_UNIT_NUMEL`` (see the note)."""
     if not block_numels:
         return 1
-    wanted = math.ceil(MIN_UNIT_NUMEL / max(max(block_numels), 1))
-    return max(1, min(wanted, len(block_numels) // MIN_BLOCK_UNITS))
+    fitting = MIN_UNIT_NUMEL // max(max(block_numels), 1)
+    return max(1, min(fitting, len(block_numels) // MIN_BLOCK_UNITS))
 
 
 def _blocks_per_unit(blocks, blocks_per_unit: BlocksPerUnit) -> int:
