@@ -102,11 +102,7 @@ def _compare_my_share(path: Path, rank: int, world_size: int) -> None:
 
 def _agreed(path: Path, check, *, group) -> None:
     """Run ``check`` on every rank; raise on every rank if it failed on any."""
-    error: Exception | None = None
-    try:
-        check()
-    except Exception as exc:  # noqa: BLE001 - the others must hear of any failure
-        error = exc
+    error = attempt(check)
     report = None if error is None else (type(error).__name__, str(error))
     found = [r for r in all_gather_objects(report, group=group) if r is not None]
     if not found:
