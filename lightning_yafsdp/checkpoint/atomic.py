@@ -108,24 +108,21 @@ def agree(
 ) -> None:
     """Raise ``CheckpointSaveError`` on every rank if ``error`` is set on any rank: one line
     that, with ``room_for`` (the checkpoint's path), says what the save needs and what is free."""
-    rank, world_size = world_info(group)
-    # Rank 0 alone reads the free space, so every rank raises the same message.
-    free = _free_bytes(room_for) if room_for is not None and rank == 0 else None
-    report = (failure_lines(error, rank), bytes_here, free)
-    reports = all_gather_objects(report, group=group) if world_size > 1 else [report]
-    failures: dict[int, str] = {}
-    for lines, _, _ in reports:
-        for failed_rank, line in lines:
-            failures.setdefault(failed_rank, line)
+    rank = world_info(group)[0]
+    free = None  # read by rank 0 alone, so every rank raises the same message
+    if room_for is not None and rank == 0:
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(room_for.parent).free
+    reports = all_gather_objects((failure_lines(error, rank), bytes_here, free), group=group)
+    # A rank's first reported line wins (each report names a rank at most once).
+    failures = {r: line for lines, _, _ in reversed(reports) for r, line in lines}
     if not failures:
         return
     shown = sorted(failures.items())
     detail = "; ".join(f"rank {r}: {line}" for r, line in shown[:2])
     if len(shown) > 2:
         detail += f" and {len(shown) - 2} more rank(s)"
-    room = ""
-    if room_for is not None:
-        room = _room(sum(r[1] for r in reports), reports[0][2], room_for)
+    room = _room(sum(r[1] for r in reports), reports[0][2], room_for) if room_for else ""
     raise CheckpointSaveError(
         f"{doing} failed ({detail}).{room} The previous checkpoint at that path, if any, is "
         "intact, no partial files were left, and the training state in memory is unchanged; "
@@ -157,7 +154,10 @@ def _room(tensor_bytes: int, free_bytes: int | None, path: Path) -> str:
     """What a retry needs: the checkpoint's bytes, and what is free beside ``path``."""
     # The tensors' bytes leave out DCP's few hundred bytes per stored box, which only
     # matter for tiny models; the checkpoint being replaced is the better measure.
-    needed = max(tensor_bytes, _bytes_on_disk(path))
+    needed = tensor_bytes
+    with contextlib.suppress(OSError):
+        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        needed = max(needed, sum(p.stat().st_size for p in files))
     free = "the free space there could not be read"
     if free_bytes is not None:
         free = f"{_size(free_bytes)} are free there"
@@ -165,21 +165,6 @@ def _room(tensor_bytes: int, free_bytes: int | None, path: Path) -> str:
         f" The checkpoint needs at least {_size(needed)} and {free}; a checkpoint it "
         "replaces stays until the new one is complete, so replacing one needs room for both."
     )
-
-
-def _free_bytes(path: Path) -> int | None:
-    try:
-        return shutil.disk_usage(path.parent).free
-    except OSError:
-        return None
-
-
-def _bytes_on_disk(path: Path) -> int:
-    try:
-        files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
-        return sum(p.stat().st_size for p in files)
-    except OSError:
-        return 0
 
 
 def _size(nbytes: int) -> str:

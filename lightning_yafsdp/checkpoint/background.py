@@ -2,14 +2,13 @@
 
 [Note: background saves]
 A save returns once its DCP state dict is staged (copied to CPU, ``stage``) and
-``meta.pt`` pickled; one worker thread then runs the synchronous save's write, atomic
-commit included (a kill -9 leaves the previous checkpoint intact), one at a time, on a
-gloo group of its own (two threads' collectives on one group would interleave). Not
-``dcp.async_save``: its stager reads raw storage (``data_ptr``), which a
-``RangeShardedTensor`` refuses, and its future completes before the manifest and commit.
-Not Lightning's ``AsyncCheckpointIO``: it runs a per-rank save, and ours is collective.
-A failed write is never lost: ``poll()`` gives its line once at the next step, and
-``wait()`` (the next save, a load, the end of training) raises it on every rank.
+``meta.pt`` pickled; one worker thread then runs the synchronous save's write and atomic
+commit, one save at a time, on a gloo group of its own (two threads' collectives on one
+group would interleave). Not ``dcp.async_save``: its stager reads raw storage
+(``data_ptr``), which a ``RangeShardedTensor`` refuses, and its future completes before
+the manifest and commit. Not Lightning's ``AsyncCheckpointIO``: it runs a per-rank save,
+and ours is collective. A failed write is never lost: ``poll()`` gives its line once at
+the next step; ``wait()`` (next save, a load, end of training) raises it on every rank.
 """
 
 from __future__ import annotations

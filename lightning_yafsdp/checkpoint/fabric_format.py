@@ -1,16 +1,13 @@
 """Fabric's checkpoints and the Trainer's: one format, read by both front doors.
 
 [Note: one checkpoint format for Fabric and the Trainer]
-A Fabric state is a dict the user names, ``{"model": model, "optimizer": opt, "step": 3}``.
-``fabric.save`` (``lightning_yafsdp/fabric/checkpoints.py``) writes it as the Trainer
-does: a sharded save puts the module's weights in the model entry, the optimizers' states
-in order and the rest in ``meta.pt``; a full file keeps Fabric's own layout, each entry
-under the user's key (as Fabric's other strategies and litgpt's scripts read it). Both
-record in ``FABRIC_KEYS`` which entry was the module and which the optimizers. Fabric
-loading a Trainer checkpoint gives the module the weights and the optimizers the saved
-states in the order given, and returns the Trainer's entries; a Fabric checkpoint's
-optimizers are matched by name (a full file of Fabric's other strategies by the keys in
-``state``); the Trainer reads a Fabric checkpoint through ``as_trainer_checkpoint``.
+``fabric.save`` (``fabric/checkpoints.py``) writes a Fabric state as the Trainer does
+(docs/design.md, "Checkpoints"), except that a full file keeps each entry under the
+user's key, as Fabric's other strategies and litgpt's scripts read it; ``FABRIC_KEYS``
+records which entry was the module and which the optimizers. Fabric gives a Trainer
+checkpoint's optimizer states in the order given, a Fabric one's by name (a full file of
+another strategy's: by the keys in ``state``); the Trainer reads a Fabric checkpoint
+through ``as_trainer_checkpoint``.
 """
 
 from __future__ import annotations

@@ -73,7 +73,6 @@ def load_full(
     rest. Every rank reads the file; a mismatch raises before anything is modified."""
     model_state, optimizer_states, rest = split_full_checkpoint(read_file(path), expected)
     check_optimizer_count(path, saved=len(optimizer_states), given=len(optimizers))
-    # Check and map every optimizer state first: a mismatch then leaves the model untouched.
     names = ParamNames(engine)
     prepared = [
         optimizer_state_to_load(names, optimizer, state)

@@ -98,7 +98,16 @@ def full_optimizer_state_dict(
     ``"param_names"``: what ``optimizer.state_dict()`` over the unsharded model gives.
     Collective; ranks other than 0 return ``{}``."""
     full = gather_shards(engine, sharded_optimizer_state_dict(engine, optimizer))
-    return to_torch_layout(full) if engine.rank == 0 else {}
+    if engine.rank != 0:
+        return {}
+    position: dict[str, int] = {}
+    groups = []
+    for group in full["param_groups"]:
+        names = list(group["params"])
+        ids = [position.setdefault(name, len(position)) for name in names]
+        groups.append({**_hyperparameters(group), "params": ids, "param_names": names})
+    state = {position[name]: dict(entry) for name, entry in full["state"].items()}
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
 def optimizer_state_to_load(
@@ -118,7 +127,8 @@ def optimizer_state_to_load(
             f"current optimizer {len(current)}; build the param groups (configure_optimizers) "
             f"the way they were when the checkpoint was saved. {_LOAD_WEIGHTS_ONLY}"
         )
-    if _is_index_keyed(saved):
+    params = [p for group in saved["param_groups"] for p in group["params"]]
+    if params and all(not isinstance(p, str) for p in params):  # torch's index-keyed layout
         saved = _named_by_position(saved, current)
     hyperparameters = _restored_groups(current, saved["param_groups"])
     saved_state = saved.get("state", {})  # absent from a DCP entry of a never-stepped one
@@ -151,20 +161,6 @@ def check_state_names(names: ParamNames, state: Mapping[str, Any], *, what: str)
             f"{what} has entries for parameters the model does not have: {name_list(unknown)}; "
             f"load it into the model it was saved from. {_LOAD_WEIGHTS_ONLY}"
         )
-
-
-def to_torch_layout(named: Mapping[str, Any]) -> dict[str, Any]:
-    """Name-keyed optimizer state -> torch's index-keyed layout with ``"param_names"``."""
-    position: dict[str, int] = {}
-    groups = []
-    for group in named["param_groups"]:
-        names = list(group["params"])
-        for name in names:
-            position.setdefault(name, len(position))
-        ids = [position[n] for n in names]
-        groups.append({**_hyperparameters(group), "params": ids, "param_names": names})
-    state = {position[name]: dict(entry) for name, entry in named["state"].items()}
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -204,8 +200,7 @@ def _local_value(names: ParamNames, name: str, key: str, value: Any) -> Any:
         raise CheckpointMismatchError(
             f"optimizer state {key!r} of {name!r} in the checkpoint has shape "
             f"{tuple(value.shape)}, the parameter {tuple(placement.shape)}; the checkpoint's "
-            "optimizer was built over other parameters (or in another order). "
-            + _LOAD_WEIGHTS_ONLY
+            f"optimizer was built over other parameters (or in another order). {_LOAD_WEIGHTS_ONLY}"
         )
     piece = value.reshape(-1)[placement.start : placement.end]
     return piece.to(param._local.device).clone()
@@ -234,11 +229,6 @@ def _restored_groups(current: list[dict], saved_groups: list[dict]) -> list[dict
             "since it was saved"
         )
     return [_hyperparameters(group) for group in saved_groups]
-
-
-def _is_index_keyed(state: Mapping[str, Any]) -> bool:
-    params = [p for group in state.get("param_groups", []) for p in group["params"]]
-    return bool(params) and all(not isinstance(p, str) for p in params)
 
 
 def _named_by_position(saved: Mapping[str, Any], current: list[dict]) -> dict:

@@ -87,11 +87,10 @@ def save_sharded(
     background: BackgroundSaver | None = None,
 ) -> None:
     """Write a sharded checkpoint to the directory ``path`` (collective, [Note: atomic
-    commit]). ``extra`` goes to ``meta.pt``, but a top-level entry holding
-    ``RangeShardedTensor``s (WeightAveraging's ``"current_model_state"``) goes into the DCP
-    files. ``background``: staged here, written in that saver's thread ([Note: background
-    saves]). Raises ``CheckpointSaveError`` on every rank if any rank failed (with
-    ``background``: from the saver's ``wait()``), the previous checkpoint intact.
+    commit]): ``extra`` to ``meta.pt``, its entries holding ``RangeShardedTensor``s to the
+    DCP files. ``background``: staged here, written in that saver's thread ([Note:
+    background saves]). Raises ``CheckpointSaveError`` on every rank if any rank failed
+    (with ``background``: from the saver's ``wait()``), the previous checkpoint intact.
     """
     if background is not None:
         background.wait()  # one save in flight at a time; raises a failed one's error
@@ -140,9 +139,8 @@ def _dcp_state_and_meta(
     extra: Mapping[str, Any] | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What DCP writes (weights, optimizers, sharded extras) and what ``meta.pt`` holds."""
-    state: dict[str, Any] = {MODEL_KEY: dict(model_state)}
-    for i, optimizer_state in enumerate(optimizer_states):
-        state[f"optimizer_{i}"] = dict(optimizer_state)
+    optimizers = {f"optimizer_{i}": dict(o) for i, o in enumerate(optimizer_states)}
+    state: dict[str, Any] = {MODEL_KEY: dict(model_state), **optimizers}
     meta = dict(extra or {})
     sharded_keys = [key for key, value in meta.items() if sharded_leaves(value)]
     for key in sharded_keys:

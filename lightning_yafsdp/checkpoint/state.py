@@ -65,9 +65,8 @@ def load_full_model_state_dict(
             continue
         source = state_dict[name]
         if isinstance(target, RangeShardedTensor):
-            start, end = target._placement.start, target._placement.end
-            source = source.reshape(-1)[start:end]
-            target = target._local
+            placement = target._placement
+            target, source = target._local, source.reshape(-1)[placement.start : placement.end]
         target.copy_(source)
     engine.mark_weights_changed()
 

@@ -79,9 +79,6 @@ def verify_on_rank_zero(path: str | os.PathLike, *, group=None, checksums: bool 
     compared by every rank; every rank raises if any failed: rank 0 the full message,
     the others a short one pointing to it. Collective in a process group."""
     rank, world_size = world_info(group)
-    if world_size == 1:
-        verify_checkpoint(path, checksums=checksums)
-        return
     path = Path(path)
     _agreed(path, lambda: verify_checkpoint(path) if rank == 0 else None, group=group)
     if checksums:
@@ -105,11 +102,7 @@ def _compare_my_share(path: Path, rank: int, world_size: int) -> None:
 
 def _agreed(path: Path, check, *, group) -> None:
     """Run ``check`` on every rank; raise on every rank if it failed on any."""
-    error: Exception | None = None
-    try:
-        check()
-    except Exception as exc:  # noqa: BLE001 - the others must hear of any failure
-        error = exc
+    error = attempt(check)
     report = None if error is None else (type(error).__name__, str(error))
     found = [r for r in all_gather_objects(report, group=group) if r is not None]
     if not found:
@@ -145,13 +138,13 @@ def write_manifest(
     error while writing its files; every rank still calls in, so none waits forever, and
     nothing is written: the rank that failed raises ``failure``, the others ``OSError``.
     """
-    rank, world_size = world_info(group)
+    rank = world_info(group)[0]
     own = sorted(p.name for p in directory.glob(f"__{rank}_*.distcp"))
     own += [DCP_METADATA_FILENAME, *rank_zero_files] if rank == 0 else []
     digests: dict[str, Any] = {}
     error = failure or attempt(lambda: digests.update({n: file_digest(directory / n) for n in own}))
     report = (digests, None if error is None else f"rank {rank}: {error_line(error)}")
-    gathered = all_gather_objects(report, group=group) if world_size > 1 else [report]
+    gathered = all_gather_objects(report, group=group)
     if failure is not None:
         raise failure
     errors = [e for _, e in gathered if e is not None]
