@@ -394,9 +394,13 @@ def _live_registries() -> tuple[int, int]:
     """The registries' sizes once what no one holds any more is collected and pruned."""
     import gc
 
+    from lightning_yafsdp.core.comm import collectives
     from lightning_yafsdp.core.plan.meta_build import prune_constructor_values
 
-    gc.collect()  # e.g. the Trainer's reference cycles, which hold its meta build's tensors
+    # A broadcast draw's alias is held until gloo's worker lets go of it ([Note: gloo work
+    # outlives its wait]); the Trainer's reference cycles hold its meta build's tensors.
+    collectives._held_tensors.release_at_exit(timeout_s=5.0)
+    gc.collect()
     prune_constructor_values()
     return _registries()
 
