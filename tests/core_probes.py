@@ -34,25 +34,30 @@ def train_step(model, optimizer, seed: int = 0) -> None:
     optimizer.zero_grad()
 
 
+def recorded_step(model, **shard_options) -> tuple:
+    """``(engine, schedule log)`` of one training step after a warm-up step."""
+    engine = shard_model(model, **shard_options)
+    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
+    train_step(model, optimizer)
+    with engine.recording() as log:
+        train_step(model, optimizer, seed=1)
+    return engine, list(log)
+
+
 def record_schedule(
     activation_checkpointing=None, zero_stage: int = 3, shard_size: int | None = None,
     blocks_per_unit="auto",
 ) -> dict:  # fmt: skip
     """One recorded training step after a warm-up step."""
-    model = tiny_llama()
-    engine = shard_model(
-        model,
+    engine, log = recorded_step(
+        tiny_llama(),
         zero_stage=zero_stage,
         activation_checkpointing=activation_checkpointing,
         shard_size=shard_size,
         blocks_per_unit=blocks_per_unit,
     )
-    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
-    train_step(model, optimizer)
-    with engine.recording() as log:
-        train_step(model, optimizer, seed=1)
     slots = {u.name: (u.weight_buffer.index, u.grad_buffer.index) for u in engine.units}
-    return {"log": list(log), "slots": slots, "unit_names": [u.name for u in engine.units]}
+    return {"log": log, "slots": slots, "unit_names": [u.name for u in engine.units]}
 
 
 class _WithRootRemainder(nn.Module):
@@ -69,13 +74,8 @@ class _WithRootRemainder(nn.Module):
 
 def record_resident_schedule() -> dict:
     """One recorded step (after a warm-up) of a model with two resident groups."""
-    model = _WithRootRemainder()
-    engine = shard_model(model)
-    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
-    train_step(model, optimizer)
-    with engine.recording() as log:
-        train_step(model, optimizer, seed=1)
-    return {"log": list(log), "residents": [g.name for g in engine.residents]}
+    engine, log = recorded_step(_WithRootRemainder())
+    return {"log": log, "residents": [g.name for g in engine.residents]}
 
 
 class _LargeAllocations(TorchDispatchMode):

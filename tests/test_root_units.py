@@ -18,7 +18,7 @@ from torch import nn
 from lightning_yafsdp.core import shard_model
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 from tests import core_probes
-from tests.core_probes import batch, tiny_llama, train_step
+from tests.core_probes import batch, tiny_llama
 from tests.distributed import dist_run
 
 ROOT_UNITS = ["tok_embeddings", "output"]
@@ -26,11 +26,7 @@ ROOT_UNITS = ["tok_embeddings", "output"]
 
 def _root_unit_facts() -> dict:
     model = tiny_llama()
-    engine = shard_model(model)
-    optimizer = torch.optim.AdamW(engine.sharded_parameters(), lr=1e-3)
-    train_step(model, optimizer)
-    with engine.recording() as log:
-        train_step(model, optimizer, seed=1)
+    engine, log = core_probes.recorded_step(model)
     between_steps = {name: type(getattr(model, name).weight).__name__ for name in ROOT_UNITS} | {
         f"{name}_in_dict": "weight" in vars(getattr(model, name)) for name in ROOT_UNITS
     }

@@ -66,7 +66,6 @@ class ResidentGroup(FlatParamGroup):
         self._views_in_graph = False  # differentiable views handed out since the last backward
         self._gather_source: torch.Tensor | None = None  # what a gather in flight reads
 
-    @timed_hook
     def start_gather(self) -> None:
         """Issue the gather of the weights if they changed since the last one; no wait.
 
