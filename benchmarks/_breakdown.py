@@ -7,7 +7,10 @@ engine's sums):
   slower rank's step): forward (``on_train_batch_start`` -> ``on_before_backward``),
   backward (-> ``on_after_backward``) and optimizer (-> ``on_train_batch_end``: clipping,
   the step, zero_grad). Each phase minus the floor's says where a strategy's overhead is:
-  DDP's all_reduce shows in backward, ZeRO-3's gathers in forward and backward.
+  DDP's all_reduce shows in backward, ZeRO-3's gathers in forward and backward. Beside
+  them the step's CPU time, whole process and not the main thread: on CPU the second is
+  gloo's workers copying the collectives' bytes, the cost no schedule can hide when every
+  core computes (2 ranks on 2 cores).
 * yafsdp's own time ([Note: step breakdown], ``core/comm/step_timing.py``): time in the
   engine's hooks, split into our Python, issuing collectives, and exposed waits per kind
   (the communication the schedule did not hide), plus how many waits found their
@@ -24,6 +27,11 @@ PHASES = ("forward", "backward", "optimizer")
 # CPU seconds of the whole rank process (every thread: gloo's workers too) per step: the
 # work a step costs, which other load on the machine does not inflate as it does wall time.
 CPU = "cpu"
+# CPU seconds of the main thread alone (forward, backward, our hooks, the optimizer): the
+# rest of CPU is the other threads', on CPU mostly gloo's workers copying the collectives'
+# bytes, so CPU - MAIN_CPU is what the communication itself costs.
+MAIN_CPU = "main_cpu"
+OTHER_CPU = "other_cpu"  # CPU - MAIN_CPU, derived when rendering
 
 
 class PhaseClock:
@@ -37,6 +45,7 @@ class PhaseClock:
         self._marks[name] = time.perf_counter()
         if name == "start":
             self._cpu_start = time.process_time()
+            self._main_cpu_start = time.thread_time()
 
     def close_step(self, measured: bool) -> None:
         t = self._marks
@@ -48,6 +57,7 @@ class PhaseClock:
                     "backward": t["after_backward"] - t["before_backward"],
                     "optimizer": end - t["after_backward"],
                     CPU: time.process_time() - self._cpu_start,
+                    MAIN_CPU: time.thread_time() - self._main_cpu_start,
                 }
             )
         self._marks = {}
@@ -80,14 +90,16 @@ def stop_engine_timing(timing, steps: int) -> dict | None:
 
 def phase_medians(jobs: list[list[dict]]) -> dict[str, float] | None:
     """Median over steps of each phase, of the slower rank per step (s)."""
-    per_step: dict[str, list[float]] = {p: [] for p in (*PHASES, CPU)}
+    per_step: dict[str, list[float]] = {p: [] for p in (*PHASES, CPU, MAIN_CPU)}
     for job in jobs:
         ranks = [r.get("phases") or [] for r in job]
         for steps in zip(*ranks):
             slower = max(steps, key=lambda s: sum(s[p] for p in PHASES))
             for p in PHASES:
                 per_step[p].append(slower[p])
-            per_step[CPU].append(max(s[CPU] for s in steps))
+            busier = max(steps, key=lambda s: s[CPU])
+            per_step[CPU].append(busier[CPU])
+            per_step[MAIN_CPU].append(busier.get(MAIN_CPU, float("nan")))
     if not per_step["forward"]:
         return None
     return {p: statistics.median(v) for p, v in per_step.items()}
@@ -114,20 +126,30 @@ def render(summaries: dict[str, dict], floor: str, markdown_table) -> str | None
         if not phases:
             continue
         row = [name]
-        for p in (*PHASES, CPU):
+        phases = _with_other(phases)
+        for p in (*PHASES, CPU, OTHER_CPU):
             cell = f"{1e3 * phases[p]:.1f}"
             if base and name != floor:
-                cell += f" ({1e3 * (phases[p] - base[p]):+.1f})"
+                cell += f" ({1e3 * (phases[p] - _with_other(base)[p]):+.1f})"
             row.append(cell)
         rows.append(row)
     if not rows:
         return None
-    header = ["strategy", *(f"{p} ms (vs floor)" for p in PHASES), "CPU ms/rank (vs floor)"]
-    lines = [markdown_table(header, rows, "lrrrr")]
+    header = [
+        "strategy",
+        *(f"{p} ms (vs floor)" for p in PHASES),
+        "CPU ms/rank (vs floor)",
+        "of which not the main thread (vs floor)",
+    ]
+    lines = [markdown_table(header, rows, "lrrrrr")]
     for name, s in summaries.items():
         if s.get("engine_timing"):
             lines.append(_engine_lines(name, s["engine_timing"]))
     return "\n".join(lines)
+
+
+def _with_other(phases: dict[str, float]) -> dict[str, float]:
+    return {**phases, OTHER_CPU: phases[CPU] - phases.get(MAIN_CPU, float("nan"))}
 
 
 def _engine_lines(name: str, t: dict) -> str:

@@ -7,6 +7,7 @@ the last one waited for at the end of the fit). One fit per mode, the same machi
     python benchmarks/async_save.py --mode none
     python benchmarks/async_save.py --mode sync
     python benchmarks/async_save.py --mode async
+    python benchmarks/async_save.py --mode async --devices 1   # a core left to the writer
 
 Each prints one line: ``mode, fit wall time (s), checkpoint size (MiB)``. The figure
 that matters is what saves ADD to the fit: (async - none) / (sync - none).
@@ -15,6 +16,7 @@ that matters is what saves ADD to the fit: (async - none) / (sync - none).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -58,15 +60,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("none", "sync", "async"), required=True)
     parser.add_argument("--root", default=None, help="where checkpoints go (default: a tmp dir)")
-    mode = parser.parse_args().mode
-    root = Path(parser.parse_args().root or tempfile.mkdtemp(prefix="async-save-"))
+    parser.add_argument(
+        "--devices", type=int, default=2, help="CPU ranks (2; 1 leaves a core to the writer)"
+    )
+    args = parser.parse_args()
+    mode = args.mode
+    root = Path(args.root or tempfile.mkdtemp(prefix="async-save-"))
     torch.manual_seed(0)
+    if args.devices < (os.cpu_count() or 1):
+        # One thread per rank (Lightning's own rule for 2 ranks on 2 cores) also for 1 rank,
+        # so that a core is left over for the writer; set before Lightning picks its own.
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
     callbacks = []
     if mode != "none":
         callbacks.append(ModelCheckpoint(dirpath=root, every_n_train_steps=EVERY, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=args.devices,
         strategy=YaFSDPStrategy(async_save=mode == "async"),
         max_steps=STEPS,
         callbacks=callbacks,

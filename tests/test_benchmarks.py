@@ -153,3 +153,22 @@ def test_compiled_runs_are_judged_by_the_compiled_goals():
     assert goals["step_vs_fsdp2"]["goal"] == 0.90 and goals["step_vs_fsdp2"]["met"]
     table = compare.render_table(summaries, ratios, 1024, compare.COMPILE_GOALS)
     assert "0.83x (met, goal <= 0.90x)" in table
+
+
+def test_breakdown_splits_the_cpu_time_into_the_main_thread_and_the_other_threads():
+    """The busier rank's CPU per step, and what of it ran outside the main thread (on
+    CPU: gloo's workers), each against the floor's (compare.py --breakdown)."""
+    from benchmarks import _breakdown as bd
+    from benchmarks._measure import markdown_table
+
+    def step(cpu: float, main: float) -> dict:
+        return {"forward": 0.1, "backward": 0.2, "optimizer": 0.05, bd.CPU: cpu, bd.MAIN_CPU: main}
+
+    floor = bd.phase_medians([[{"phases": [step(0.30, 0.30)]}]])
+    # Rank 1 is the busier one: its split is reported, not a mix of the two ranks'.
+    yafsdp = bd.phase_medians([[{"phases": [step(0.40, 0.36)]}, {"phases": [step(0.42, 0.35)]}]])
+    summaries = {"floor": {"phases": floor}, "yafsdp": {"phases": yafsdp}}
+    text = bd.render(summaries, "floor", markdown_table)
+    assert "of which not the main thread" in text
+    cells = "100.0 (+0.0) | 200.0 (+0.0) | 50.0 (+0.0) | 420.0 (+120.0) | 70.0 (+70.0)"
+    assert f"| yafsdp | {cells} |" in text
