@@ -29,6 +29,7 @@ import weakref
 import torch
 from torch import nn
 
+from lightning_yafsdp.core.optim.huge_pages import empty_on_huge_pages
 from lightning_yafsdp.core.optim.sharded_param import RangeShardedTensor
 
 
@@ -64,7 +65,8 @@ class ShardGrads:
         self._taken.clear()
         live = self.window()
         if live is None:
-            self._fresh = torch.empty_like(self.master, memory_format=torch.contiguous_format)
+            # Freed again at zero_grad: [Note: huge pages for the gradient window]
+            self._fresh = empty_on_huge_pages(self.master)
             return
         for param, start, end in self.params:
             if param.grad is None:
