@@ -3,18 +3,22 @@
 [Note: huge pages for the gradient window]
 A master shard's gradient window (``ShardGrads``) is allocated at the first backward
 after ``zero_grad`` and freed by the next ``zero_grad``, so that the grads take no memory
-through the forward. On CPU, glibc serves an allocation above its largest mmap threshold
-(32 MiB on 64-bit Linux) with a fresh ``mmap`` and returns it with ``munmap`` when freed:
-every step then pays one page fault per 4 KiB page when the reductions first write the
-window. For debug-50m's 100 MiB window per rank that is 25,600 faults, measured at ~130 ms
-of CPU per step on 2 busy cores, where DDP's and FSDP2's per-parameter grads (under 32
-MiB each) come back from glibc's heap without faults.
+through the forward. On CPU, glibc usually serves an allocation above its largest mmap
+threshold (32 MiB on 64-bit Linux) with a fresh ``mmap`` (or carves it from a large free
+chunk of its heap) and returns it with ``munmap`` when freed: every step then pays one
+page fault per 4 KiB page when the reductions first write the window. For debug-50m's
+100 MiB window per rank that is 25,600 faults, measured at ~130 ms of CPU per step on 2
+busy cores, where DDP's and FSDP2's per-parameter grads (under 32 MiB each) come back
+from glibc's heap without faults.
 
 Advising the kernel to back the window with 2 MiB pages (``madvise(MADV_HUGEPAGE)``,
 before anything touches it) makes those faults 50; the memory still goes back at
 ``zero_grad``. The advice is a hint: where transparent huge pages are off, the platform is
-not Linux, or the call fails, nothing changes. Smaller tensors are left alone: glibc
-serves them from its heap after the first step, where they fault no more.
+not Linux, or the call fails, nothing changes. Where memory is too fragmented for a huge
+page the kernel compacts it or falls back to 4 KiB pages, as its THP ``defrag`` setting
+says (``/sys/kernel/mm/transparent_hugepage/``, where a host can also turn THP off).
+Smaller tensors are left alone: glibc serves them from its heap after the first step,
+where they fault no more.
 
 Measured (debug-50m, 2 CPU ranks x 1 thread, plain loop, 4 paired rounds): the window's
 copy-outs went from 133-159 to 20-31 ms of CPU per step, the step from a median of 2.51
@@ -63,7 +67,7 @@ def _madvise():
     if not sys.platform.startswith("linux"):
         return None
     try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise = ctypes.CDLL(None).madvise
     except (OSError, AttributeError):
         return None
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
