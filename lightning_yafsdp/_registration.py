@@ -20,6 +20,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.util
+import inspect
 import os
 import sys
 import warnings
@@ -226,9 +227,17 @@ def _name_the_right_class_for_a_strategy_of_the_other_front_door(front_door: str
     if check is None or getattr(check, "_yafsdp_names_the_right_class", False):
         return  # renamed in this release: Lightning's own error stays (a test says so)
 
+    signature = inspect.signature(check)
+
     @functools.wraps(check)
     def check_config(self: Any, *args: Any, **kwargs: Any) -> Any:
-        refuse_the_other_front_doors_strategy(kwargs.get("strategy"), front_door)
+        # By name, whether Lightning passes it by keyword (2.6 does) or by position; a call
+        # that does not bind is left to Lightning's own method to refuse.
+        try:
+            strategy = signature.bind_partial(self, *args, **kwargs).arguments.get("strategy")
+        except TypeError:
+            strategy = None
+        refuse_the_other_front_doors_strategy(strategy, front_door)
         return check(self, *args, **kwargs)
 
     check_config._yafsdp_names_the_right_class = True  # type: ignore[attr-defined]

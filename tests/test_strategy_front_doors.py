@@ -71,6 +71,18 @@ def test_lightning_still_checks_the_strategy_in_the_method_we_wrap(front_door: s
     )
 
 
+@pytest.mark.parametrize("front_door", sorted(STRATEGY_CHECKS))
+def test_the_strategy_is_found_when_lightning_passes_it_by_position(front_door: str) -> None:
+    module_name, class_name = STRATEGY_CHECKS[front_door]
+    check = getattr(
+        getattr(importlib.import_module(module_name), class_name), STRATEGY_CHECK_METHOD
+    )
+    other = {"lightning.pytorch": lightning_yafsdp.fabric, "lightning.fabric": lightning_yafsdp}
+    wrong = other[front_door].YaFSDPStrategy()
+    with pytest.raises(ValueError, match="strategy class, and"):
+        check(object(), wrong, "cpu", "32-true", None)  # no connector is needed to refuse
+
+
 def test_the_refusal_holds_when_lightning_yafsdp_is_imported_before_lightning() -> None:
     script = (
         "import lightning_yafsdp\n"
