@@ -12,9 +12,10 @@ engine's sums):
   gloo's workers copying the collectives' bytes, the cost no schedule can hide when every
   core computes (2 ranks on 2 cores).
 * yafsdp's own time ([Note: step breakdown], ``core/comm/step_timing.py``): time in the
-  engine's hooks, split into our Python, issuing collectives, and exposed waits per kind
-  (the communication the schedule did not hide), plus how many waits found their
-  collective already complete (hidden behind compute).
+  engine's hooks, split into our Python (with the grad copies the hooks make), issuing
+  collectives, and exposed waits per kind (the communication the schedule did not
+  hide), plus how many waits found their collective already complete (hidden behind
+  compute).
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ def _engine_lines(name: str, t: dict) -> str:
     kinds = sorted(set(t["issue_s"]) | set(t["wait_s"]))
     parts = [
         f"{name}: in the engine's hooks {1e3 * t['hook_s']:.1f} ms/step = "
-        f"Python {1e3 * t['python_s']:.1f} + issuing {1e3 * sum(t['issue_s'].values()):.1f} "
+        f"Python and grad copies {1e3 * t['python_s']:.1f} "
+        f"+ issuing {1e3 * sum(t['issue_s'].values()):.1f} "
         f"+ exposed waits {1e3 * sum(t['wait_s'].values()):.1f}"
     ]
     for kind in kinds:

@@ -13,12 +13,16 @@ a ``StepTiming`` adds up, per step:
   guard's tag exchange and the backend's enqueue).
 - ``wait_s[kind]``: time blocked waiting for a collective: the communication the
   schedule did NOT hide (exposed). ``order_tag`` is the guard's tag exchanges,
-  ``blocking`` the synchronous collectives (norms, the used-parameter flags).
+  ``blocking`` the synchronous collectives (norms, the used-parameter flags). On gloo a
+  reduction's wait includes copying this rank's part out of the all_reduced buffer
+  ([Note: gloo reduces with all_reduce]).
 - ``hidden[kind]`` / ``waited[kind]``: how many waits found their collective already
   complete (fully hidden behind compute) out of how many waits.
 
-The Python of our hooks is ``hook_s - sum(issue_s) - sum(wait_s)``; compute and the
-framework's own time are the rest of the step. One timer serves the process (two
+The Python of our hooks is ``hook_s - sum(issue_s) - sum(wait_s)``, with the copies
+they make (each parameter's grad into the grad buffer: 200 MiB per step on debug-50m, as
+DDP copies grads into its buckets); compute and the framework's own time are the rest of
+the step. One timer serves the process (two
 engines in one process share it): it is a measuring tool for benchmarks, not state.
 """
 
