@@ -122,16 +122,15 @@ def render(summaries: dict[str, dict], floor: str, markdown_table) -> str | None
     """The phase table (ms, with each phase's excess over the floor) and yafsdp's own
     time; None when no job recorded phases."""
     rows, base = [], summaries.get(floor, {}).get("phases")
+    base = _with_other(base) if base else None
     for name, s in summaries.items():
-        phases = s.get("phases")
-        if not phases:
+        if not s.get("phases"):
             continue
-        row = [name]
-        phases = _with_other(phases)
+        row, phases = [name], _with_other(s["phases"])
         for p in (*PHASES, CPU, OTHER_CPU):
             cell = f"{1e3 * phases[p]:.1f}"
             if base and name != floor:
-                cell += f" ({1e3 * (phases[p] - _with_other(base)[p]):+.1f})"
+                cell += f" ({1e3 * (phases[p] - base[p]):+.1f})"
             row.append(cell)
         rows.append(row)
     if not rows:
