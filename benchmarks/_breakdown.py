@@ -9,13 +9,16 @@ engine's sums):
   the step, zero_grad). Each phase minus the floor's says where a strategy's overhead is:
   DDP's all_reduce shows in backward, ZeRO-3's gathers in forward and backward. Beside
   them the step's CPU time, whole process and not the main thread: on CPU the second is
-  gloo's workers copying the collectives' bytes, the cost no schedule can hide when every
-  core computes (2 ranks on 2 cores).
+  gloo's threads moving the collectives' bytes (its workers for DDP's all_reduce; mostly
+  its transport thread for the engine's pairwise exchanges, whose sends may also write
+  from the main thread: [Note: pairwise exchanges on gloo]), the cost no schedule can
+  hide when every core computes (2 ranks on 2 cores).
 * yafsdp's own time ([Note: step breakdown], ``core/comm/step_timing.py``): time in the
   engine's hooks, split into our Python (with the grad copies the hooks make), issuing
   collectives, and exposed waits per kind (the communication the schedule did not
   hide), plus how many waits found their collective already complete (hidden behind
-  compute).
+  compute; always 0 on CPU, where gloo reports a send or receive complete only once
+  it is waited).
 """
 
 from __future__ import annotations

@@ -172,3 +172,31 @@ def test_breakdown_splits_the_cpu_time_into_the_main_thread_and_the_other_thread
     assert "of which not the main thread" in text
     cells = "100.0 (+0.0) | 200.0 (+0.0) | 50.0 (+0.0) | 420.0 (+120.0) | 70.0 (+70.0)"
     assert f"| yafsdp | {cells} |" in text
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gloo_exchanges_checks_the_pairwise_results_and_prints_their_ratios(ranks, tmp_path):
+    # benchmarks/gloo_exchanges.py first checks that the pairwise results equal gloo's
+    # collectives on its ranks (a rank failing that exits non-zero), then measures.
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "gloo_exchanges.py"),
+        f"--ranks={ranks}",
+        "--numel=30000",
+        "--calls=2",
+        "--rounds=1",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == [
+        "gather collective",
+        "gather pairwise",
+        "reduce all_reduce",
+        "reduce reduce_scatter",
+        "reduce pairwise",
+    ]
+    assert "x gather collective" in rows[1] and "x reduce all_reduce" in rows[4]

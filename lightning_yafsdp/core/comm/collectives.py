@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import pickle
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from lightning_yafsdp.core import compat
 from lightning_yafsdp.core.comm import step_timing
+from lightning_yafsdp.core.comm.pairwise import Exchange, gather_pairwise, reduce_scatter_pairwise
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.mesh import ShardMesh
@@ -57,7 +59,11 @@ _reduce_scatter_single = compat.reduce_scatter_single
 # rank on a 64M-param model. What is held now is only the caller's tensors, until the
 # worker is done with them (microseconds after the wait). At exit, ``release_at_exit``
 # waits (with the GIL released) for the workers to let go of everything still held.
-# CUDA (NCCL) collectives are not wrapped: their works run no Python-visible drops.
+# CUDA (NCCL) collectives are not wrapped: their works run no Python-visible drops. Nor
+# are gloo's sends and receives ([Note: pairwise exchanges on gloo]): their works own the
+# tensors and only the main thread drops the works; gloo's transport thread holds no
+# reference to a tensor (``benchmarks/exit_stress.py --engine-collectives``: 0 aborts in 60
+# ranks).
 _TENSORS_HELD_BY_US = 2  # the alias's own Python object + our second reference
 
 
@@ -66,16 +72,23 @@ class _HeldTensors:
 
     def __init__(self) -> None:
         self._held: list[tuple[Any, tuple[torch.Tensor, ...]]] = []
+        # A background checkpoint save issues object collectives from its own thread
+        # while the main thread trains: an entry added during another thread's
+        # rebuild of the list would be lost.
+        self._lock = threading.Lock()
 
     def hold(self, aliases: tuple[torch.Tensor, ...]) -> None:
         self.release_finished()
         if aliases:
-            self._held.append((tuple(_second_reference(a) for a in aliases), aliases))
+            entry = (tuple(_second_reference(a) for a in aliases), aliases)
+            with self._lock:
+                self._held.append(entry)
 
     def release_finished(self) -> None:
-        """Let go of the entries no work refers to any more (from the main thread)."""
+        """Let go of the entries no work refers to any more (from a Python thread)."""
         if self._held:
-            self._held = [entry for entry in self._held if not _let_go(entry[1])]
+            with self._lock:
+                self._held = [entry for entry in self._held if not _let_go(entry[1])]
 
     def __len__(self) -> int:
         return len(self._held)
@@ -123,13 +136,25 @@ def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
     if async_op:
         return work
     if work is not None:
-        timing = step_timing.active()
-        if timing is None:
-            work.wait()
-        else:  # [Note: step breakdown] a blocking collective is exposed by definition
-            start = time.perf_counter()
-            work.wait()
-            timing.add_wait("blocking", time.perf_counter() - start, was_complete=False)
+        _wait_blocking(work)
+    return None
+
+
+def _wait_blocking(work) -> None:
+    timing = step_timing.active()
+    if timing is None:
+        work.wait()
+    else:  # [Note: step breakdown] a blocking collective is exposed by definition
+        start = time.perf_counter()
+        work.wait()
+        timing.add_wait("blocking", time.perf_counter() - start, was_complete=False)
+
+
+def _pairwise(exchange: Exchange, *, async_op: bool) -> Exchange | None:
+    """An exchange returned as issued (``async_op``) or waited here."""
+    if async_op:
+        return exchange
+    _wait_blocking(exchange)
     return None
 
 
@@ -194,8 +219,12 @@ def all_gather_into(
     *,
     async_op: bool,
     stats: CommStats,
+    channel: str = "gather",
 ) -> dist.Work | None:
     """Gather every rank's ``shard`` into ``output`` (rank order, back to back).
+
+    ``channel``: on CPU, which tags the exchange uses ([Note: pairwise exchanges on
+    gloo]); the order guard's tags use their own.
 
     [Note: version-preserving gather]
     ``output`` is a weight buffer that autograd may have saved views of in an
@@ -210,6 +239,9 @@ def all_gather_into(
     if group.size() == 1:  # [Note: one rank copies]
         output.data.copy_(shard)
         return _DONE if async_op else None
+    if shard.device.type == "cpu":  # [Note: pairwise exchanges on gloo]
+        exchange = gather_pairwise(output.data, shard.detach(), group, channel=channel)
+        return _pairwise(exchange, async_op=async_op)
     return _issue(_all_gather_single, shard, output.data, shard, group=group, async_op=async_op)
 
 
@@ -223,12 +255,9 @@ def reduce_scatter_into(
 ) -> dist.Work | None:
     """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``.
 
-    [Note: gloo reduces with all_reduce] gloo's reduce_scatter is much slower than its
-    all_reduce of the same tensor (measured 2 ranks, 0.7M-6M fp32 elements: 1.5-1.8x the
-    CPU time and several times the wall time), so on CPU the grad buffer (``full``, ours
-    to overwrite: nothing reads it before the next backward writes it) is all-reduced in
-    place and this rank's part is copied out when the collective is waited. NCCL keeps the
-    reduce_scatter, which moves half the bytes of an all_reduce.
+    On CPU the reduction is a pairwise exchange ([Note: pairwise exchanges on gloo]):
+    gloo's reduce_scatter is slower than its all_reduce, which moves twice the bytes.
+    ``full`` (a grad buffer) must not be rewritten until the reduction is waited.
     """
     stats.add("reduce_scatter", full.numel() * full.element_size())
     if group.size() == 1:  # [Note: one rank copies]
@@ -239,14 +268,8 @@ def reduce_scatter_into(
             _reduce_scatter_single, full, output.data, full, op=ReduceOp.SUM, group=group,
             async_op=async_op,
         )  # fmt: skip
-    rank, numel = dist.get_rank(group), output.numel()
-    mine = full.detach().narrow(0, rank * numel, numel)
-    work = _issue(dist.all_reduce, full, full.detach(), op=ReduceOp.SUM, group=group, async_op=True)
-    copy_out = WorkList([work], then=lambda: output.data.copy_(mine))
-    if async_op:
-        return copy_out
-    copy_out.wait()
-    return None
+    exchange = reduce_scatter_pairwise(output.data, full.detach(), group)
+    return _pairwise(exchange, async_op=async_op)
 
 
 def replicate_all_reduce(
@@ -273,7 +296,7 @@ def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype
     full = torch.ones(world, dtype=dtype, device=device)
     out = torch.empty(1, dtype=dtype, device=device)
     try:
-        # The engine's own reduce (gloo: an all_reduce, [Note: gloo reduces with all_reduce]).
+        # The engine's own reduce (gloo: a pairwise exchange, summed by torch).
         reduce_scatter_into(out, full, group, async_op=False, stats=CommStats())
         if mesh.replicate_group is not None:
             _issue(

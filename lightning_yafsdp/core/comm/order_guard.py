@@ -80,7 +80,9 @@ class CollectiveOrderGuard:
             return None  # [Note: one rank copies] no other rank to disagree with
         mine = torch.tensor((_KIND_CODES[kind], *tag), dtype=torch.int64, device=self.device)
         every = torch.empty(size * _TAG_NUMEL, dtype=torch.int64, device=self.device)
-        work = all_gather_into(every, mine, group, async_op=True, stats=self.stats)
+        work = all_gather_into(
+            every, mine, group, async_op=True, stats=self.stats, channel="order_guard"
+        )
         return TagExchange(self, kind=kind, unit=unit, every=every, work=work, ranks=ranks)
 
     def explain(self, row: tuple[int, ...]) -> str:

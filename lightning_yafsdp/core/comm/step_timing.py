@@ -13,11 +13,13 @@ a ``StepTiming`` adds up, per step:
   guard's tag exchange and the backend's enqueue).
 - ``wait_s[kind]``: time blocked waiting for a collective: the communication the
   schedule did NOT hide (exposed). ``order_tag`` is the guard's tag exchanges,
-  ``blocking`` the synchronous collectives (norms, the used-parameter flags). On gloo a
-  reduction's wait includes copying this rank's part out of the all_reduced buffer
-  ([Note: gloo reduces with all_reduce]).
+  ``blocking`` the synchronous collectives (norms, the used-parameter flags). On CPU a
+  reduction's wait includes summing the parts received from the other ranks
+  ([Note: pairwise exchanges on gloo]).
 - ``hidden[kind]`` / ``waited[kind]``: how many waits found their collective already
-  complete (fully hidden behind compute) out of how many waits.
+  complete (fully hidden behind compute) out of how many waits. gloo reports a send's
+  or a receive's completion only once it is waited, so on CPU ``hidden`` is 0: there
+  the exposed wait time is what tells.
 
 The Python of our hooks is ``hook_s - sum(issue_s) - sum(wait_s)``, with the copies
 they make (each parameter's grad into the grad buffer: 200 MiB per step on debug-50m, as

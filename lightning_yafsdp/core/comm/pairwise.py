@@ -1,0 +1,173 @@
+"""The engine's CPU gathers and reductions as point-to-point exchanges.
+
+[Note: pairwise exchanges on gloo]
+gloo's collectives cost the CPU more than the bytes they move. Its all_gather
+receives into a flat temporary and copies that into the output; its
+reduce_scatter flattens its input and is slower than its all_reduce, which moves
+twice the bytes a reduce_scatter needs (the engine used that all_reduce until
+this note).
+On a 2-core machine that CPU is taken from compute: gloo's workers were most of
+our step overhead over DDP's (docs/performance.md, "Step overhead: where the
+limit is"). gloo's point-to-point send and recv move the bytes once, socket to
+destination (on gloo's transport thread, or on the caller's when the peer's
+receive is already posted). Measured at 2 ranks, 12.8 MB per call, per process
+CPU time of every thread (``python benchmarks/gloo_exchanges.py``): a gather
+6.1 ms as gloo's all_gather, 4.3 ms pairwise (0.71x); a reduction 7.4 ms as
+all_reduce plus copy-out, 10.0 ms as gloo's reduce_scatter, 3.2 ms pairwise
+(0.43x). Tiny exchanges (the order guard's tags) cost what a tiny collective costs.
+
+So on CPU each rank:
+- gathers by copying its own shard into its slice of the output and sending the
+  shard to every peer, receiving each peer's shard straight into that peer's slice;
+- reduce-scatters by sending every peer that peer's chunk of the full tensor and
+  receiving the peers' copies of its own chunk, which are summed into the output
+  when the exchange is waited. The output receives the first one directly when it
+  is a tensor of its own (a reduction into the gradient window), so two ranks need
+  no scratch; each further copy (and the first, for a reduction in place in the
+  grad buffer) lands in a chunk of scratch, freed at the wait. Summing two values
+  is exact in either order, so at two ranks the result is bit-identical to an
+  all_reduce's; at three or more each rank sums in ring order from itself.
+
+Matching: gloo pairs a send with the receive of the same tag from the same peer,
+in the order they were posted. Every rank issues the engine's exchanges in the
+same order (which the order guard checks), so the n-th exchange of a tag pairs
+with the n-th on every peer. A receive that gets more bytes than it posted aborts
+the process inside gloo (an uncatchable ``EnforceNotMet``); one that gets fewer
+completes with stale bytes. Where ranks issue different exchanges, the order guard
+must raise a clean error instead. So the tag encodes a channel (gather, reduction,
+the guard's own tags) and the bytes per peer: exchanges of different sizes never
+pair up; they wait while the guard's fixed-size tag exchange completes and raises
+on every rank. (Two sizes share a tag only when they differ by a multiple of
+512 MiB.) Sizes, dtypes and layouts are checked before anything is posted.
+
+CUDA keeps NCCL's collectives, which are already pairwise rings on the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed import ProcessGroup
+
+# gloo's tags are non-negative 32-bit ints: two bits of channel, 29 of byte count.
+_CHANNEL_TAGS = {"gather": 1 << 29, "reduce_scatter": 2 << 29, "order_guard": 3 << 29}
+_NBYTES_BITS = (1 << 29) - 1
+# Works of exchanges dropped before their wait (an exception between issue and wait):
+# gloo's transport thread holds only a weak pointer to a send or receive, and one freed
+# early leaves the peer's matching transfer stuck, and every later one on that group. So
+# they are kept, as gloo's workers kept an unwaited collective running, until exit.
+_unwaited_works: list = []
+
+
+class Exchange:
+    """The sends and receives of one pairwise collective, waited as one.
+
+    ``then`` runs once, right after the last wait (the sum of a reduce-scatter).
+    """
+
+    def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
+        self.works = works
+        self._then = then
+
+    def __del__(self) -> None:
+        if self.works:  # never waited: keep the transfers alive (see _unwaited_works)
+            _unwaited_works.extend(self.works)
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.works = []
+        then, self._then = self._then, None
+        if then is not None:
+            then()
+
+
+def exchange_tag(channel: str, nbytes: int) -> int:
+    """The gloo tag of an exchange: its channel and (most of) its bytes per peer."""
+    return _CHANNEL_TAGS[channel] | (nbytes & _NBYTES_BITS)
+
+
+def gather_pairwise(
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, *, channel: str = "gather"
+) -> Exchange:
+    """Every rank's ``shard`` into its slice of ``output`` (rank order), asynchronously.
+
+    ``output`` is written through ``.data`` by the caller's contract
+    ([Note: version-preserving gather]): pass ``output.data``. ``channel``: the
+    order guard's tags travel apart from the data ("order_guard").
+    """
+    rank, world, numel = group.rank(), group.size(), shard.numel()
+    _check_sizes("gather", output, shard, per_rank=numel, world=world)
+    if numel == 0:
+        return Exchange([])
+    slices = output.split(numel)
+    slices[rank].copy_(shard)
+    tag = exchange_tag(channel, numel * shard.element_size())
+    works = []
+    for peer in _peers(rank, world):
+        works.append(group.send([shard], peer, tag))
+        works.append(group.recv([slices[peer]], peer, tag))
+    return Exchange(works)
+
+
+def reduce_scatter_pairwise(
+    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup
+) -> Exchange:
+    """The sum over ranks of this rank's chunk of ``full``, into ``output``, asynchronously.
+
+    ``full`` must not be written until the exchange is waited (its chunks are being
+    sent); ``output`` may be this rank's own chunk of ``full`` (a reduction in place).
+    """
+    rank, world, numel = group.rank(), group.size(), output.numel()
+    _check_sizes("reduce_scatter", full, output, per_rank=numel, world=world)
+    if numel == 0:
+        return Exchange([])
+    chunks = full.split(numel)
+    mine = chunks[rank]
+    peers = _peers(rank, world)
+    in_place = output.data_ptr() == mine.data_ptr()
+    # Where each peer's copy of this rank's chunk lands: the output itself for the
+    # first peer when the output is not our own chunk, scratch for the others.
+    scratch = [torch.empty_like(mine) for _ in peers[0 if in_place else 1 :]]
+    landing = scratch if in_place else [output, *scratch]
+    tag = exchange_tag("reduce_scatter", numel * full.element_size())
+    works = []
+    for peer, into in zip(peers, landing):
+        works.append(group.send([chunks[peer]], peer, tag))
+        works.append(group.recv([into], peer, tag))
+
+    def sum_into_output() -> None:
+        with torch.no_grad():
+            if not in_place:
+                output.add_(mine)
+            for received in scratch:
+                output.add_(received)
+
+    return Exchange(works, then=sum_into_output)
+
+
+def _check_sizes(
+    kind: str, whole: torch.Tensor, part: torch.Tensor, *, per_rank: int, world: int
+) -> None:
+    """Refuse, before anything is posted, what would make a peer's transfer misfit:
+    gloo aborts a process whose receive gets another size."""
+    for name, tensor in (("whole", whole), ("part", part)):
+        if tensor.dim() != 1 or not tensor.is_contiguous():
+            raise ValueError(
+                f"{kind}: the {name} tensor must be flat and contiguous, got shape "
+                f"{tuple(tensor.shape)} (contiguous: {tensor.is_contiguous()})"
+            )
+    if whole.numel() != per_rank * world or whole.dtype != part.dtype:
+        raise ValueError(
+            f"{kind}: {whole.numel()} {whole.dtype} elements cannot be {world} ranks' "
+            f"{per_rank} {part.dtype} elements"
+        )
+
+
+def _peers(rank: int, world: int) -> list[int]:
+    """The other ranks, starting after this one (so that rank pairs start in a ring)."""
+    return [(rank + step) % world for step in range(1, world)]
