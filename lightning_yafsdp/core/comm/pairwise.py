@@ -53,11 +53,6 @@ from torch.distributed import ProcessGroup
 # gloo's tags are non-negative 32-bit ints: two bits of channel, 29 of byte count.
 _CHANNEL_TAGS = {"gather": 1 << 29, "reduce_scatter": 2 << 29, "order_guard": 3 << 29}
 _NBYTES_BITS = (1 << 29) - 1
-# Works of exchanges dropped before their wait (an exception between issue and wait):
-# gloo's transport thread holds only a weak pointer to a send or receive, and one freed
-# early leaves the peer's matching transfer stuck, and every later one on that group. So
-# they are kept, as gloo's workers kept an unwaited collective running, until exit.
-_unwaited_works: list = []
 
 
 class Exchange:
@@ -66,13 +61,20 @@ class Exchange:
     ``then`` runs once, right after the last wait (the sum of a reduce-scatter).
     """
 
+    # Works of exchanges dropped before their wait (an exception between issue and
+    # wait): gloo's transport thread holds only a weak pointer to a send or receive, and
+    # one freed early leaves the peer's matching transfer stuck, and every later one on
+    # that group. So they are kept, as gloo's workers kept an unwaited collective
+    # running, until exit. A class attribute: it outlives the module's globals at exit.
+    unwaited_works: list = []
+
     def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
         self.works = works
         self._then = then
 
     def __del__(self) -> None:
-        if self.works:  # never waited: keep the transfers alive (see _unwaited_works)
-            _unwaited_works.extend(self.works)
+        if self.works:  # never waited: keep the transfers alive (see unwaited_works)
+            type(self).unwaited_works.extend(self.works)
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self.works)
