@@ -24,7 +24,8 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from lightning_yafsdp.core import compat
 from lightning_yafsdp.core.comm import step_timing
-from lightning_yafsdp.core.comm.pairwise import Exchange, gather_pairwise, reduce_scatter_pairwise
+from lightning_yafsdp.core.comm.pairwise import gather_pairwise, reduce_scatter_pairwise
+from lightning_yafsdp.core.comm.work_list import WorkList
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.mesh import ShardMesh
@@ -150,7 +151,7 @@ def _wait_blocking(work) -> None:
         timing.add_wait("blocking", time.perf_counter() - start, was_complete=False)
 
 
-def _pairwise(exchange: Exchange, *, async_op: bool) -> Exchange | None:
+def _pairwise(exchange: WorkList, *, async_op: bool) -> WorkList | None:
     """An exchange returned as issued (``async_op``) or waited here."""
     if async_op:
         return exchange
@@ -180,29 +181,6 @@ class CommStats:
     def snapshot(self) -> dict[str, dict[str, int]]:
         """A plain-dict copy: ``{"calls": {kind: n}, "bytes": {kind: nbytes}}``."""
         return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
-
-
-class WorkList:
-    """Several async collectives waited as one (a unit's trainable and frozen gathers).
-
-    ``then``: run once, right after the last wait (a row chunk copies its reduced
-    pieces out of the grad buffer there: [Note: row chunks]).
-    """
-
-    def __init__(self, works: list, then=None) -> None:
-        self.works = works
-        self._then = then
-
-    def is_completed(self) -> bool:
-        return all(work is None or work.is_completed() for work in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            if work is not None:
-                work.wait()
-        then, self._then = self._then, None
-        if then is not None:
-            then()
 
 
 # [Note: one rank copies] A group of one rank (one GPU, a world of 1) has nothing to

@@ -45,47 +45,14 @@ CUDA keeps NCCL's collectives, which are already pairwise rings on the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.distributed import ProcessGroup
+
+from lightning_yafsdp.core.comm.work_list import WorkList
 
 # gloo's tags are non-negative 32-bit ints: two bits of channel, 29 of byte count.
 _CHANNEL_TAGS = {"gather": 1 << 29, "reduce_scatter": 2 << 29, "order_guard": 3 << 29}
 _NBYTES_BITS = (1 << 29) - 1
-
-
-class Exchange:
-    """The sends and receives of one pairwise collective, waited as one.
-
-    ``then`` runs once, right after the last wait (the sum of a reduce-scatter).
-    """
-
-    # Works of exchanges dropped before their wait (an exception between issue and
-    # wait): gloo's transport thread holds only a weak pointer to a send or receive, and
-    # one freed early leaves the peer's matching transfer stuck, and every later one on
-    # that group. So they are kept, as gloo's workers kept an unwaited collective
-    # running, until exit. A class attribute: it outlives the module's globals at exit.
-    unwaited_works: list = []
-
-    def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
-        self.works = works
-        self._then = then
-
-    def __del__(self) -> None:
-        if self.works:  # never waited: keep the transfers alive (see unwaited_works)
-            type(self).unwaited_works.extend(self.works)
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self.works)
-
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        then, self._then = self._then, None
-        if then is not None:
-            then()
 
 
 def exchange_tag(channel: str, nbytes: int) -> int:
@@ -95,7 +62,7 @@ def exchange_tag(channel: str, nbytes: int) -> int:
 
 def gather_pairwise(
     output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, *, channel: str = "gather"
-) -> Exchange:
+) -> WorkList:
     """Every rank's ``shard`` into its slice of ``output`` (rank order), asynchronously.
 
     ``output`` is written through ``.data`` by the caller's contract
@@ -105,7 +72,7 @@ def gather_pairwise(
     rank, world, numel = group.rank(), group.size(), shard.numel()
     _check_sizes("gather", output, shard, per_rank=numel, world=world)
     if numel == 0:
-        return Exchange([])
+        return WorkList([])
     slices = output.split(numel)
     slices[rank].copy_(shard)
     tag = exchange_tag(channel, numel * shard.element_size())
@@ -113,12 +80,12 @@ def gather_pairwise(
     for peer in _peers(rank, world):
         works.append(group.send([shard], peer, tag))
         works.append(group.recv([slices[peer]], peer, tag))
-    return Exchange(works)
+    return WorkList(works)
 
 
 def reduce_scatter_pairwise(
     output: torch.Tensor, full: torch.Tensor, group: ProcessGroup
-) -> Exchange:
+) -> WorkList:
     """The sum over ranks of this rank's chunk of ``full``, into ``output``, asynchronously.
 
     ``full`` must not be written until the exchange is waited (its chunks are being
@@ -127,7 +94,7 @@ def reduce_scatter_pairwise(
     rank, world, numel = group.rank(), group.size(), output.numel()
     _check_sizes("reduce_scatter", full, output, per_rank=numel, world=world)
     if numel == 0:
-        return Exchange([])
+        return WorkList([])
     chunks = full.split(numel)
     mine = chunks[rank]
     peers = _peers(rank, world)
@@ -149,7 +116,7 @@ def reduce_scatter_pairwise(
             for received in scratch:
                 output.add_(received)
 
-    return Exchange(works, then=sum_into_output)
+    return WorkList(works, then=sum_into_output)
 
 
 def _check_sizes(

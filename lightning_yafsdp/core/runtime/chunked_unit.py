@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_yafsdp.core.comm.collectives import (
-    WorkList,
     broadcast_into,
     reduce_into,
 )
+from lightning_yafsdp.core.comm.work_list import WorkList
 from lightning_yafsdp.core.runtime.chunk_rules import embedding_post_op, is_embedding_use
 from lightning_yafsdp.core.runtime.context import StepContext
 from lightning_yafsdp.core.runtime.flat_group import FlatParamGroup, ParamOwner

@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_yafsdp.core.comm.collectives import WorkList, all_gather_into
+from lightning_yafsdp.core.comm.collectives import all_gather_into
 from lightning_yafsdp.core.comm.step_timing import timed_hook
+from lightning_yafsdp.core.comm.work_list import WorkList
 from lightning_yafsdp.core.compat import outside_compile
 from lightning_yafsdp.core.runtime.autograd import GateGradFlow, PreBackwardGate
 from lightning_yafsdp.core.runtime.context import StepContext
