@@ -12,7 +12,13 @@ engine's sums):
   gloo's threads moving the collectives' bytes (its workers for DDP's all_reduce; mostly
   its transport thread for the engine's pairwise exchanges, whose sends may also write
   from the main thread: [Note: pairwise exchanges on gloo]), the cost no schedule can
-  hide when every core computes (2 ranks on 2 cores).
+  hide when every core computes (2 ranks on 2 cores). Two more columns say what of that
+  CPU the kernel spent (socket copies, page faults) and how many minor page faults a
+  step took, in the main thread and in the others: glibc returns a freed block at the
+  top of its heap to the kernel once enough is free there, and memory allocated anew
+  each step (the logits, a gradient window) then faults in again, 4 KiB at a time,
+  depending on where the step's allocations landed (docs/performance.md, "Step overhead:
+  what the kernel and the faults cost").
 * yafsdp's own time ([Note: step breakdown], ``core/comm/step_timing.py``): time in the
   engine's hooks, split into our Python (with the grad copies the hooks make), issuing
   collectives, and exposed waits per kind (the communication the schedule did not
@@ -23,6 +29,7 @@ engine's sums):
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from typing import Any
@@ -36,6 +43,13 @@ CPU = "cpu"
 # bytes, so CPU - MAIN_CPU is what the communication itself costs.
 MAIN_CPU = "main_cpu"
 OTHER_CPU = "other_cpu"  # CPU - MAIN_CPU, derived when rendering
+# Kernel-mode CPU seconds of the whole process: the sockets' copies and the page faults.
+KERNEL_CPU = "kernel_cpu"
+# Minor page faults per step: of the whole process, and of the main thread alone.
+FAULTS = "faults"
+MAIN_FAULTS = "main_faults"
+# Linux only (getrusage of the calling thread); elsewhere the main thread's faults are nan.
+_RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", None)
 
 
 class PhaseClock:
@@ -50,6 +64,7 @@ class PhaseClock:
         if name == "start":
             self._cpu_start = time.process_time()
             self._main_cpu_start = time.thread_time()
+            self._usage_start = _usage()
 
     def close_step(self, measured: bool) -> None:
         t = self._marks
@@ -62,9 +77,21 @@ class PhaseClock:
                     "optimizer": end - t["after_backward"],
                     CPU: time.process_time() - self._cpu_start,
                     MAIN_CPU: time.thread_time() - self._main_cpu_start,
+                    **{k: v - self._usage_start[k] for k, v in _usage().items()},
                 }
             )
         self._marks = {}
+
+
+def _usage() -> dict[str, float]:
+    """The kernel CPU and minor page faults so far (process), and the thread's faults."""
+    process = resource.getrusage(resource.RUSAGE_SELF)
+    thread = resource.getrusage(_RUSAGE_THREAD) if _RUSAGE_THREAD is not None else None
+    return {
+        KERNEL_CPU: process.ru_stime,
+        FAULTS: float(process.ru_minflt),
+        MAIN_FAULTS: float(thread.ru_minflt) if thread is not None else float("nan"),
+    }
 
 
 def start_engine_timing() -> Any:
@@ -94,7 +121,8 @@ def stop_engine_timing(timing, steps: int) -> dict | None:
 
 def phase_medians(jobs: list[list[dict]]) -> dict[str, float] | None:
     """Median over steps of each phase, of the slower rank per step (s)."""
-    per_step: dict[str, list[float]] = {p: [] for p in (*PHASES, CPU, MAIN_CPU)}
+    counters = (CPU, MAIN_CPU, KERNEL_CPU, FAULTS, MAIN_FAULTS)
+    per_step: dict[str, list[float]] = {p: [] for p in (*PHASES, *counters)}
     for job in jobs:
         ranks = [r.get("phases") or [] for r in job]
         for steps in zip(*ranks):
@@ -102,8 +130,8 @@ def phase_medians(jobs: list[list[dict]]) -> dict[str, float] | None:
             for p in PHASES:
                 per_step[p].append(slower[p])
             busier = max(steps, key=lambda s: s[CPU])
-            per_step[CPU].append(busier[CPU])
-            per_step[MAIN_CPU].append(busier.get(MAIN_CPU, float("nan")))
+            for counter in counters:
+                per_step[counter].append(busier.get(counter, float("nan")))
     if not per_step["forward"]:
         return None
     return {p: statistics.median(v) for p, v in per_step.items()}
@@ -130,11 +158,12 @@ def render(summaries: dict[str, dict], floor: str, markdown_table) -> str | None
         if not s.get("phases"):
             continue
         row, phases = [name], _with_other(s["phases"])
-        for p in (*PHASES, CPU, OTHER_CPU):
+        for p in (*PHASES, CPU, OTHER_CPU, KERNEL_CPU):
             cell = f"{1e3 * phases[p]:.1f}"
             if base and name != floor:
                 cell += f" ({1e3 * (phases[p] - base[p]):+.1f})"
             row.append(cell)
+        row.append(f"{phases[MAIN_FAULTS]:.0f} / {phases[FAULTS] - phases[MAIN_FAULTS]:.0f}")
         rows.append(row)
     if not rows:
         return None
@@ -143,8 +172,10 @@ def render(summaries: dict[str, dict], floor: str, markdown_table) -> str | None
         *(f"{p} ms (vs floor)" for p in PHASES),
         "CPU ms/rank (vs floor)",
         "of which not the main thread (vs floor)",
+        "of which in the kernel (vs floor)",
+        "page faults: main thread / others",
     ]
-    lines = [markdown_table(header, rows, "lrrrrr")]
+    lines = [markdown_table(header, rows, "lrrrrrrr")]
     for name, s in summaries.items():
         if s.get("engine_timing"):
             lines.append(_engine_lines(name, s["engine_timing"]))
@@ -152,7 +183,12 @@ def render(summaries: dict[str, dict], floor: str, markdown_table) -> str | None
 
 
 def _with_other(phases: dict[str, float]) -> dict[str, float]:
-    return {**phases, OTHER_CPU: phases[CPU] - phases.get(MAIN_CPU, float("nan"))}
+    nan = float("nan")
+    return {
+        **{k: nan for k in (KERNEL_CPU, FAULTS, MAIN_FAULTS)},  # a JSON from before them
+        **phases,
+        OTHER_CPU: phases[CPU] - phases.get(MAIN_CPU, nan),
+    }
 
 
 def _engine_lines(name: str, t: dict) -> str:

@@ -156,22 +156,58 @@ def test_compiled_runs_are_judged_by_the_compiled_goals():
 
 
 def test_breakdown_splits_the_cpu_time_into_the_main_thread_and_the_other_threads():
-    """The busier rank's CPU per step, and what of it ran outside the main thread (on
-    CPU: gloo's workers), each against the floor's (compare.py --breakdown)."""
+    """The busier rank's CPU per step, what of it ran outside the main thread (on CPU:
+    gloo's workers) and in the kernel, and its page faults, against the floor's
+    (compare.py --breakdown)."""
     from benchmarks import _breakdown as bd
     from benchmarks._measure import markdown_table
 
-    def step(cpu: float, main: float) -> dict:
-        return {"forward": 0.1, "backward": 0.2, "optimizer": 0.05, bd.CPU: cpu, bd.MAIN_CPU: main}
+    def step(cpu: float, main: float, kernel: float, faults: int, main_faults: int) -> dict:
+        return {
+            "forward": 0.1, "backward": 0.2, "optimizer": 0.05, bd.CPU: cpu, bd.MAIN_CPU: main,
+            bd.KERNEL_CPU: kernel, bd.FAULTS: faults, bd.MAIN_FAULTS: main_faults,
+        }  # fmt: skip
 
-    floor = bd.phase_medians([[{"phases": [step(0.30, 0.30)]}]])
+    floor = bd.phase_medians([[{"phases": [step(0.30, 0.30, 0.01, 900, 900)]}]])
     # Rank 1 is the busier one: its split is reported, not a mix of the two ranks'.
-    yafsdp = bd.phase_medians([[{"phases": [step(0.40, 0.36)]}, {"phases": [step(0.42, 0.35)]}]])
+    yafsdp = bd.phase_medians(
+        [
+            [
+                {"phases": [step(0.40, 0.36, 0.02, 50, 40)]},
+                {"phases": [step(0.42, 0.35, 0.03, 7000, 4000)]},
+            ]
+        ]
+    )
     summaries = {"floor": {"phases": floor}, "yafsdp": {"phases": yafsdp}}
     text = bd.render(summaries, "floor", markdown_table)
-    assert "of which not the main thread" in text
-    cells = "100.0 (+0.0) | 200.0 (+0.0) | 50.0 (+0.0) | 420.0 (+120.0) | 70.0 (+70.0)"
+    assert "of which not the main thread" in text and "page faults: main thread / others" in text
+    cells = (
+        "100.0 (+0.0) | 200.0 (+0.0) | 50.0 (+0.0) | 420.0 (+120.0) | 70.0 (+70.0) "
+        "| 30.0 (+20.0) | 4000 / 3000"
+    )
     assert f"| yafsdp | {cells} |" in text
+
+
+def test_the_breakdown_measures_the_faults_of_a_step():
+    """A PhaseClock step that touches 8 MiB of fresh memory in the main thread counts its
+    faults there (one per page: 2048 of 4 KiB, or 4 where the kernel gives huge pages); a
+    JSON of an older run still renders."""
+    from benchmarks import _breakdown as bd
+    from benchmarks._measure import markdown_table
+
+    clock = bd.PhaseClock()
+    for name in ("start", "before_backward"):
+        clock.mark(name)
+    fresh = bytearray(8 << 20)  # zero-filled by Python: every page written once
+    clock.mark("after_backward")
+    clock.close_step(measured=True)
+    del fresh
+    faults = clock.steps[0][bd.MAIN_FAULTS]
+    assert (8 << 20) // (2 << 20) <= faults <= clock.steps[0][bd.FAULTS], clock.steps[0]
+    old = {"forward": 0.1, "backward": 0.2, "optimizer": 0.05, bd.CPU: 0.4, bd.MAIN_CPU: 0.3}
+    assert "| old | 100.0 | 200.0 | 50.0 | 400.0 | 100.0 | nan | nan / nan |" in bd.render(
+        {"old": {"phases": old}}, "floor", markdown_table
+    )
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
