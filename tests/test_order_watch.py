@@ -7,10 +7,7 @@ leave the process group usable, and a rank that is only slow raises nothing.
 
 from __future__ import annotations
 
-import gc
-import threading
 import time
-import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -115,25 +112,3 @@ def test_exchange_tags_tell_units_apart_at_equal_sizes() -> None:
     assert exchange_tag("gather", nbytes, unit_1) != exchange_tag("gather", nbytes + 4, unit_1)
     for tag in (exchange_tag("gather", nbytes, unit_1), exchange_tag("gather", nbytes)):
         assert 0 <= tag < 2**31  # gloo's tags are non-negative 32-bit ints
-
-
-def _dropped_rank() -> dict:
-    """A watch whose thread started (a wait past the stall) and whose engine is dropped
-    without ``close()``: the thread leaves and nothing keeps the watch alive."""
-    scheduler, guard = _scheduler()
-    if dist.get_rank() == 1:
-        time.sleep(1.5 * order_watch.STALL_S)  # rank 0 waits past the stall: thread starts
-    pending, _ = _gather(scheduler, 1)
-    pending.wait()
-    watch = weakref.ref(guard.watch)
-    del scheduler, guard, pending
-    gc.collect()
-    time.sleep(3 * order_watch.TICK_S)
-    names = [thread.name for thread in threading.enumerate()]
-    return {"watch_freed": watch() is None, "threads": names}
-
-
-def test_a_dropped_engine_frees_its_watch_and_its_thread() -> None:
-    for result in dist_run(2, _dropped_rank, timeout_s=60):
-        assert result["watch_freed"], result
-        assert "yafsdp-order" not in result["threads"], result

@@ -34,13 +34,11 @@ exchange: gloo's collectives carry no tag of ours.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import contextvars
 import pickle
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -102,21 +100,6 @@ def current_record() -> IssueRecord | None:
     return _ISSUING.get()
 
 
-_WATCHES: weakref.WeakSet[OrderWatch] = weakref.WeakSet()
-
-
-@atexit.register
-def _end_watches_at_exit() -> None:
-    """Stop every watch thread before the interpreter ends its daemon threads.
-
-    A daemon thread ended by the interpreter inside a C++ call (a store read) unwinds
-    through C++ frames: std::terminate, exit code 134 after a good run ([Note: gloo work
-    outlives its wait]). atexit runs before that; the threads leave within a tick.
-    """
-    for watch in list(_WATCHES):
-        watch.end()
-
-
 class CollectiveOrderError(RuntimeError):
     """Ranks issued different collectives (raised on every rank)."""
 
@@ -154,13 +137,10 @@ class OrderWatch:
         self._mismatch: str | None = None
         self._last_entry: _Entry | None = None
         self._divergence_seen: float | None = None
-        self._give_up_at: float | None = None
         self._completed_peers: set[int] = set()
         self._kept: list = []  # the completions' tensors and works, until exit
-        self._stop = threading.Event()  # no new stalls to watch (the engine closed)
-        self._ended = threading.Event()  # the thread leaves now (interpreter exit)
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        _WATCHES.add(self)
 
     @property
     def logged(self) -> int:
@@ -177,12 +157,7 @@ class OrderWatch:
     def waiting(self, entry: _Entry) -> Iterator[None]:
         """Around a wait that may block: watched; raises if the ranks had diverged."""
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=_watch,
-                args=(weakref.ref(self), self._ended),
-                name="yafsdp-order",
-                daemon=True,
-            )
+            self._thread = threading.Thread(target=self._watch, name="yafsdp-order", daemon=True)
             self._thread.start()
         started = time.monotonic()
         self._blocked = (entry, started)
@@ -204,30 +179,25 @@ class OrderWatch:
         """Stop watching (the thread stays until every peer it owes a completion has one)."""
         self._stop.set()
 
-    def end(self) -> None:
-        """End the thread now and wait for it (interpreter exit)."""
-        self._ended.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * TICK_S + 1.0)
-
-    def _tick(self) -> bool:
-        """One look of the watch thread; False when the thread has nothing left to do."""
-        if self._mismatch is not None:
-            # Peers that published after this rank raised still wait for their
-            # completions from this rank: keep reading until each one has had them.
-            if len(self._completed_peers) == self._world - 1:
-                return False
-            self._give_up_at = self._give_up_at or time.monotonic() + GIVE_UP_S
-            if time.monotonic() > self._give_up_at:
-                return False
-            self._diagnose(self._last_entry)
-            return True
-        if self._stop.is_set():
-            return False
-        blocked = self._blocked
-        if blocked is not None and time.monotonic() - blocked[1] >= STALL_S:
-            self._diagnose(blocked[0])
-        return True
+    def _watch(self) -> None:
+        deadline = None
+        while True:
+            time.sleep(TICK_S)
+            if self._mismatch is not None:
+                # Peers that published after this rank raised still wait for their
+                # completions from this rank: keep reading until each one has had them.
+                if len(self._completed_peers) == self._world - 1:
+                    return
+                deadline = deadline or time.monotonic() + GIVE_UP_S
+                if time.monotonic() > deadline:
+                    return
+                self._diagnose(self._last_entry)
+            elif self._stop.is_set():
+                return
+            else:
+                blocked = self._blocked
+                if blocked is not None and time.monotonic() - blocked[1] >= STALL_S:
+                    self._diagnose(blocked[0])
 
     def _diagnose(self, entry: _Entry) -> None:
         """Publish this rank's state, read the others'; on a divergence, complete the
@@ -305,13 +275,3 @@ class OrderWatch:
             else:  # the peer waits for us to take its bytes
                 work = self._group.recv([scratch], rank, tag)
             self._kept.append((scratch, work))
-
-
-def _watch(ref: weakref.ref[OrderWatch], ended: threading.Event) -> None:
-    """The watch thread. It holds its watch only while looking: an engine dropped without
-    ``close()`` is freed, and its thread leaves at the next tick."""
-    while not ended.wait(TICK_S):
-        watch = ref()
-        if watch is None or not watch._tick():
-            return
-        del watch
