@@ -24,7 +24,6 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from lightning_yafsdp.core import compat
 from lightning_yafsdp.core.comm import step_timing
-from lightning_yafsdp.core.comm.order_watch import current_record
 from lightning_yafsdp.core.comm.pairwise import gather_pairwise, reduce_scatter_pairwise
 from lightning_yafsdp.core.comm.work_list import WorkList
 
@@ -131,9 +130,6 @@ def _issue(collective, tensor: torch.Tensor, *args, async_op: bool, **kwargs):
     """
     if tensor.device.type != "cpu":
         return collective(*args, async_op=async_op, **kwargs)
-    record = current_record()
-    if record is not None:  # a gloo collective carries no tag of ours ([Note: order watch])
-        record.other_collectives = True
     args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     work = collective(*args, async_op=True, **kwargs)
     if work is not None:  # None: a backend or rank that did not take part

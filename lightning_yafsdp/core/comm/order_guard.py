@@ -15,19 +15,15 @@ complete, even when the collectives after them do not: every rank sees the
 same mismatch at the same collective and raises the same error, before the
 mismatched collective is waited and before any of its data is read.
 
-Cost: one extra tiny collective per unit collective. On CPU that was ~1 ms of CPU
-per collective, so there the engine's pairwise exchanges are checked without tags
-([Note: order watch], ``order_watch.py``): the tag exchange is posted only after a
-launch that issued one of gloo's collectives (a row chunk's broadcasts, hybrid
-sharding's all_reduce), which carry no identity of ours. On CUDA the check reads the
-tags on the host at each wait, a sync that defeats the CPU run-ahead that gives
-prefetch, so there it is off unless asked for (``engine.verify_collective_order(True)``):
+Cost: one extra tiny collective per unit collective (measured per step in
+tests/test_core_call_patterns.py). On CUDA the check reads the tags on the
+host at each wait, a sync that defeats the CPU run-ahead that gives prefetch,
+so there it is off unless asked for (``engine.verify_collective_order(True)``):
 turn it on to debug a hang.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -36,7 +32,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
-from lightning_yafsdp.core.comm.order_watch import CollectiveOrderError, IssueRecord, OrderWatch
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.mesh import ShardMesh
@@ -44,9 +39,10 @@ if TYPE_CHECKING:
 
 _KIND_CODES = {"gather": 1, "reduce_scatter": 2, "all_reduce": 3}
 _TAG_NUMEL = 3
-_ENGINES = itertools.count()  # one order watch per guard, named alike on every rank
 
-__all__ = ["CollectiveOrderError", "CollectiveOrderGuard", "TagExchange"]
+
+class CollectiveOrderError(RuntimeError):
+    """Ranks were about to issue different collectives."""
 
 
 class CollectiveOrderGuard:
@@ -74,25 +70,6 @@ class CollectiveOrderGuard:
         self.describe = describe
         # Counted apart from the engine's traffic, which tests compare with the design.
         self.stats = CommStats()
-        # [Note: order watch] CPU exchanges carry their identity in their gloo tags and
-        # are watched instead of preceded by a tag exchange.
-        shard_group = mesh.shard_group
-        self.watch = None
-        if device.type == "cpu" and dist.get_world_size(shard_group) > 1:
-            prefix = f"yafsdp/order/{next(_ENGINES)}"
-            self.watch = OrderWatch(shard_group, key_prefix=prefix, explain=self.explain)
-
-    def identity(self, kind: str, tag: tuple[int, int]) -> tuple[int, int, int]:
-        """What every rank must be issuing now: (kind, group index, elements)."""
-        return (_KIND_CODES[kind], *tag)
-
-    def needs_tags(self, record: IssueRecord) -> bool:
-        """Whether a collective needs a tag exchange: all but the watched CPU exchanges."""
-        return self.watch is None or record.other_collectives or not record.transfers
-
-    def close(self) -> None:
-        if self.watch is not None:
-            self.watch.close()
 
     def start(self, kind: str, *, unit: str, tag: tuple[int, int]) -> TagExchange | None:
         """Issue the tag exchange of the collective about to be issued (async, tiny)."""

@@ -29,17 +29,16 @@ So on CPU each rank:
   all_reduce's; at three or more each rank sums in ring order from itself.
 
 Matching: gloo pairs a send with the receive of the same tag from the same peer,
-in the order they were posted. A receive that gets more bytes than it posted aborts
+in the order they were posted. Every rank issues the engine's exchanges in the
+same order (which the order guard checks), so the n-th exchange of a tag pairs
+with the n-th on every peer. A receive that gets more bytes than it posted aborts
 the process inside gloo (an uncatchable ``EnforceNotMet``); one that gets fewer
-completes with stale bytes. So the tag encodes a channel (gather, reduction, the
-order guard's tags) and, hashed together, the bytes per peer and the identity of the
-collective the engine's scheduler is issuing (kind, unit, elements: [Note: order
-watch]): exchanges of different sizes or different units never pair up, and ranks
-that issue different ones wait until the order watch finds the divergence and raises
-on every rank. (Two exchanges share a tag only by a 29-bit hash collision; exchanges
-issued outside the scheduler hash only their bytes, and two of their sizes share a tag
-only when they differ by a multiple of 512 MiB.) Sizes, dtypes and layouts are checked
-before anything is posted.
+completes with stale bytes. Where ranks issue different exchanges, the order guard
+must raise a clean error instead. So the tag encodes a channel (gather, reduction,
+the guard's own tags) and the bytes per peer: exchanges of different sizes never
+pair up; they wait while the guard's fixed-size tag exchange completes and raises
+on every rank. (Two sizes share a tag only when they differ by a multiple of
+512 MiB.) Sizes, dtypes and layouts are checked before anything is posted.
 
 CUDA keeps NCCL's collectives, which are already pairwise rings on the GPU.
 """
@@ -49,7 +48,6 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_yafsdp.core.comm.order_watch import Transfer, current_record
 from lightning_yafsdp.core.comm.work_list import WorkList
 
 # gloo's tags are non-negative 32-bit ints: two bits of channel, 29 of byte count.
@@ -57,37 +55,9 @@ _CHANNEL_TAGS = {"gather": 1 << 29, "reduce_scatter": 2 << 29, "order_guard": 3 
 _NBYTES_BITS = (1 << 29) - 1
 
 
-def exchange_tag(channel: str, nbytes: int, identity: tuple[int, ...] = ()) -> int:
-    """The gloo tag of an exchange: its channel and its bytes per peer, hashed with the
-    identity of the collective the engine's scheduler is issuing ([Note: order watch]).
-
-    Python hashes a tuple of ints alike in every process (only str hashing is salted).
-    """
-    if not identity:
-        return _CHANNEL_TAGS[channel] | (nbytes & _NBYTES_BITS)
-    return _CHANNEL_TAGS[channel] | (hash((*identity, nbytes)) & _NBYTES_BITS)
-
-
-def _post(
-    group: ProcessGroup, pairs: list[tuple[int, torch.Tensor, torch.Tensor]], channel: str
-) -> list:
-    """Per peer, a send and a receive under the exchange's tag; the scheduler's record
-    (if any) learns each transfer ([Note: order watch]). The order guard's own tags travel
-    without the identity: they must pair up whatever the ranks issued."""
-    record = current_record()
-    identity = record.identity if record is not None and channel != "order_guard" else ()
-    works = []
-    for peer, outgoing, incoming in pairs:
-        nbytes = incoming.numel() * incoming.element_size()
-        tag = exchange_tag(channel, nbytes, identity)
-        sent, received = group.send([outgoing], peer, tag), group.recv([incoming], peer, tag)
-        works += [sent, received]
-        if record is not None:
-            record.transfers += [
-                Transfer("send", peer, tag, nbytes, sent),
-                Transfer("recv", peer, tag, nbytes, received),
-            ]
-    return works
+def exchange_tag(channel: str, nbytes: int) -> int:
+    """The gloo tag of an exchange: its channel and (most of) its bytes per peer."""
+    return _CHANNEL_TAGS[channel] | (nbytes & _NBYTES_BITS)
 
 
 def gather_pairwise(
@@ -105,8 +75,12 @@ def gather_pairwise(
         return WorkList([])
     slices = output.split(numel)
     slices[rank].copy_(shard)
-    pairs = [(peer, shard, slices[peer]) for peer in _peers(rank, world)]
-    return WorkList(_post(group, pairs, channel))
+    tag = exchange_tag(channel, numel * shard.element_size())
+    works = []
+    for peer in _peers(rank, world):
+        works.append(group.send([shard], peer, tag))
+        works.append(group.recv([slices[peer]], peer, tag))
+    return WorkList(works)
 
 
 def reduce_scatter_pairwise(
@@ -129,8 +103,11 @@ def reduce_scatter_pairwise(
     # first peer when the output is not our own chunk, scratch for the others.
     scratch = [torch.empty_like(mine) for _ in peers[0 if in_place else 1 :]]
     landing = scratch if in_place else [output, *scratch]
-    pairs = [(peer, chunks[peer], into) for peer, into in zip(peers, landing, strict=True)]
-    works = _post(group, pairs, "reduce_scatter")
+    tag = exchange_tag("reduce_scatter", numel * full.element_size())
+    works = []
+    for peer, into in zip(peers, landing):
+        works.append(group.send([chunks[peer]], peer, tag))
+        works.append(group.recv([into], peer, tag))
 
     def sum_into_output() -> None:
         with torch.no_grad():

@@ -56,7 +56,6 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.core.comm import step_timing
-from lightning_yafsdp.core.comm.order_watch import issuing
 
 if TYPE_CHECKING:
     from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard, TagExchange
@@ -94,14 +93,12 @@ class PendingCollective:
         work=None,
         done_event=None,
         tag_exchange: TagExchange | None = None,
-        watched: tuple | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._event = event
         self._work = work
         self._done_event = done_event
         self._tag_exchange = tag_exchange
-        self._watched = watched  # (OrderWatch, its log entry): [Note: order watch]
         self.waited = False
 
     @property
@@ -112,15 +109,6 @@ class PendingCollective:
     def wait(self) -> None:
         if self.waited:
             return
-        if self._watched is None:
-            self._wait()
-        else:
-            watch, entry = self._watched
-            with watch.waiting(entry):  # raises if the ranks issued different collectives
-                self._wait()
-        self._watched = None
-
-    def _wait(self) -> None:
         kind = self._event.op.removesuffix("_issue")
         timing = step_timing.active()
         if self._tag_exchange is not None:
@@ -268,7 +256,8 @@ class CommScheduler:
             self.log.append(event)
         with torch.profiler.record_function(f"YaFSDP::{kind} ({unit})"):
             if not self.uses_streams:
-                return self._issue_on_cpu(kind, event, unit=unit, tag=tag, launch=launch)
+                exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
+                return PendingCollective(self, event, work=launch(True), tag_exchange=exchange)
             stream = self._stream_for(kind)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 if after is not None:
@@ -296,18 +285,6 @@ class CommScheduler:
             "reduce_scatter", unit=unit, slot=slot, tag=tag, launch=scatter, after=after
         )
         return PendingReduce(self, pending, replicate, unit=unit, slot=slot, tag=tag)
-
-    def _issue_on_cpu(self, kind: str, event, *, unit, tag, launch: Launch) -> PendingCollective:
-        """gloo work; with the guard, its exchanges are logged and watched ([Note: order
-        watch]), and a tag exchange follows only a launch that issued gloo collectives."""
-        guard = self.order_guard
-        if guard is None:
-            return PendingCollective(self, event, work=launch(True))
-        with issuing(guard.identity(kind, tag)) as record:
-            work = launch(True)
-            exchange = guard.start(kind, unit=unit, tag=tag) if guard.needs_tags(record) else None
-        watched = (guard.watch, guard.watch.issued(record)) if guard.watch else None
-        return PendingCollective(self, event, work=work, tag_exchange=exchange, watched=watched)
 
     def _stream_for(self, kind: str) -> torch.cuda.Stream:
         if kind != "all_reduce":

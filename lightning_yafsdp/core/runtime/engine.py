@@ -204,13 +204,11 @@ class YaFSDPEngine:
         self._weights_stale = True
 
     def verify_collective_order(self, enabled: bool = True) -> None:
-        """Check that all ranks issue the same collectives (order_guard.py, order_watch.py).
+        """Check before every collective that all ranks issue the same one (see order_guard.py).
 
-        Default: on for CPU (gloo) models, where the exchanges carry their identity and
-        a stall is checked in the background ([Note: order watch]); off for CUDA, where
-        the check is a tag exchange and a host sync per collective. A mismatch raises
-        ``CollectiveOrderError`` on every rank instead of hanging or exchanging shards of
-        different units.
+        Default: on for CPU (gloo) models, off for CUDA, where the check costs a
+        host sync per collective. A mismatch raises ``CollectiveOrderError`` on
+        every rank instead of hanging or exchanging shards of different units.
         """
         units = self.context.order
 
@@ -219,8 +217,6 @@ class YaFSDPEngine:
                 return units[index].name
             return {-1: "<root>", -2: "<norms>"}.get(index, f"group {index}")
 
-        if self.scheduler.order_guard is not None:
-            self.scheduler.order_guard.close()
         self.scheduler.order_guard = (
             CollectiveOrderGuard(self.mesh, device=self.device, describe=describe)
             if enabled
@@ -512,8 +508,6 @@ class YaFSDPEngine:
     def close(self) -> None:
         """Remove the engine's hooks (the model stays sharded)."""
         self.optimizer_swap.close()
-        if self.scheduler.order_guard is not None:
-            self.scheduler.order_guard.close()
         for handle in self._hooks:
             handle.remove()
         for group in dict.fromkeys([*self.units, *self._groups]):
