@@ -137,21 +137,28 @@ def _report(results: dict, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import torch.multiprocessing as mp
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=3_200_000, help="fp32 elements per call")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--calls", type=int, default=20, help="calls per measurement")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
+    results = run_ranks(_rank, args, world_size=args.ranks)
+    _report(results, args)
+
+
+def run_ranks(target, args: argparse.Namespace, *, world_size: int):
+    """Run ``target(rank, args, init_file, queue)`` on ``world_size`` spawned processes;
+    rank 0's result (what it put in the queue), or exit naming the ranks' exit codes."""
+    import torch.multiprocessing as mp
+
     context = mp.get_context("spawn")
     queue = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="gloo_exchanges_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="benchmark_ranks_") as tmp:
         init_file = os.path.join(tmp, "init")
         ranks = [
-            context.Process(target=_rank, args=(r, args, init_file, queue))
-            for r in range(args.ranks)
+            context.Process(target=target, args=(r, args, init_file, queue))
+            for r in range(world_size)
         ]
         for process in ranks:
             process.start()
@@ -162,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
             process.join()
     if results is None or any(process.exitcode != 0 for process in ranks):
         sys.exit(f"a rank failed: exit codes {[p.exitcode for p in ranks]}")
-    _report(results, args)
+    return results
 
 
 def _results_or_none(queue, ranks) -> dict | None:

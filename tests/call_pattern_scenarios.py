@@ -420,8 +420,9 @@ def refusals() -> dict[str, str]:
     return messages
 
 
-def guard_cost(steps: int = 30) -> dict[str, float]:
-    """Milliseconds per training step with and without the collective order guard."""
+def order_check_cost(steps: int = 30) -> dict[str, float]:
+    """Milliseconds per training step with and without the order check, the exchange
+    line's positions per step, and the engine's collectives per step either way."""
     pattern = Pattern()
     model = build(pattern)
     engine = shard_model(model, units=[f"layers.{i}" for i in range(N_UNITS)])
@@ -440,16 +441,26 @@ def guard_cost(steps: int = 30) -> dict[str, float]:
         dist.barrier()
         return (time.perf_counter() - started) * 1000 / n
 
+    def calls_per_step() -> float:
+        return sum(engine.comm_stats.calls.values()) / steps
+
     result = {}
+    line = engine.scheduler.line
     for repeat in range(2):  # interleaved, twice, to even out noise on a shared machine
         engine.verify_collective_order(True)
+        result["guard"] = type(engine.scheduler.order_guard).__name__
         timed(3)
-        guard = engine.scheduler.order_guard
-        guard.stats.reset()
+        engine.comm_stats.reset()
+        position = line.position
         result[f"on_{repeat}"] = timed(steps)
-        result["checks_per_step"] = guard.stats.calls["all_gather"] / steps
+        result["positions_per_step"] = (line.position - position) / steps
+        result["calls_on"] = calls_per_step()
         engine.verify_collective_order(False)
         timed(3)
+        engine.comm_stats.reset()
+        position = line.position
         result[f"off_{repeat}"] = timed(steps)
+        result["calls_off"] = calls_per_step()
+        result["positions_off"] = line.position - position
     engine.close()
     return result

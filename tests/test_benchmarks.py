@@ -214,20 +214,10 @@ def test_the_breakdown_measures_the_faults_of_a_step():
 def test_gloo_exchanges_checks_the_pairwise_results_and_prints_their_ratios(ranks, tmp_path):
     # benchmarks/gloo_exchanges.py first checks that the pairwise results equal gloo's
     # collectives on its ranks (a rank failing that exits non-zero), then measures.
-    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "gloo_exchanges.py"),
-        f"--ranks={ranks}",
-        "--numel=30000",
-        "--calls=2",
-        "--rounds=1",
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]
+    rows = _table_rows(
+        "gloo_exchanges.py", f"--ranks={ranks}", "--numel=30000", "--calls=2", "--rounds=1",
+        cwd=tmp_path,
+    )  # fmt: skip
     assert [row.split(" | ")[0].strip("| ") for row in rows] == [
         "gather collective",
         "gather pairwise",
@@ -236,3 +226,24 @@ def test_gloo_exchanges_checks_the_pairwise_results_and_prints_their_ratios(rank
         "reduce pairwise",
     ]
     assert "x gather collective" in rows[1] and "x reduce all_reduce" in rows[4]
+
+
+def test_order_check_prints_every_mode_against_the_tag_exchanges(tmp_path):
+    # benchmarks/order_check.py switches one engine between the exchange line, tag
+    # exchanges and no check, step by step; the plumbing only (timings are its output).
+    rows = _table_rows(
+        "order_check.py", "--quick", "--cycles=1", "--batch=1", "--seq=16", cwd=tmp_path
+    )
+    assert [row.split(" | ")[0].strip("| ") for row in rows] == ["line", "tags", "off"]
+    assert rows[1].endswith("| - |") and " / " in rows[0]
+
+
+def _table_rows(script: str, *flags: str, cwd) -> list[str]:
+    """The rows of the table ``benchmarks/<script>`` prints (after its separator line)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *flags]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=env, cwd=cwd, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [line for line in proc.stdout.splitlines() if line.startswith("| ")][1:]

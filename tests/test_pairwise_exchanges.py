@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.core.comm.collectives import CommStats, all_gather_into
+from lightning_yafsdp.core.comm.exchange_line import exchange_line_for
 from lightning_yafsdp.core.comm.order_guard import CollectiveOrderError, CollectiveOrderGuard
 from lightning_yafsdp.core.comm.pairwise import gather_pairwise, reduce_scatter_pairwise
 from lightning_yafsdp.core.comm.streams import CommScheduler
@@ -97,13 +98,18 @@ def test_three_rank_pairwise_reductions_are_the_sum_to_float_round_off() -> None
             assert bool((error <= bound).all()), (rank, key, error.max().item())
 
 
-def _uneven_gathers_rank() -> str:
-    """Rank 0 gathers 8 elements per rank, rank 1 gathers 12: the guard must raise."""
+def _uneven_gathers_rank(on_line: bool) -> str:
+    """Rank 0 gathers 8 elements per rank, rank 1 gathers 12: the order check must raise,
+    the guard's tag exchange or (``on_line``) the exchange line's watch."""
     rank = dist.get_rank()
     group = dist.group.WORLD
     mesh = SimpleNamespace(shard_group=group, replicate_group=None)
     guard = CollectiveOrderGuard(mesh, device=torch.device("cpu"), describe=lambda i: f"unit {i}")
-    scheduler = CommScheduler(torch.device("cpu"), order_guard=guard)
+    scheduler = CommScheduler(
+        torch.device("cpu"), group=group, order_guard=None if on_line else guard
+    )
+    if on_line:
+        scheduler.use_line(exchange_line_for(group))
     numel = 8 if rank == 0 else 12
     shard, output = torch.ones(numel), torch.zeros(numel * dist.get_world_size())
     pending = scheduler.issue(
@@ -111,8 +117,8 @@ def _uneven_gathers_rank() -> str:
         unit=f"unit {rank}",
         slot=0,
         tag=(rank, numel),
-        launch=lambda async_op: all_gather_into(
-            output, shard, group, async_op=async_op, stats=CommStats()
+        launch=lambda async_op, exchange: all_gather_into(
+            output, shard, exchange.group, async_op=async_op, stats=CommStats(), key=exchange.key
         ),
         after=None,
     )
@@ -123,10 +129,11 @@ def _uneven_gathers_rank() -> str:
     return "no error"
 
 
-def test_exchanges_of_different_sizes_end_in_the_order_guard_error_on_every_rank() -> None:
+@pytest.mark.parametrize("on_line", [False, True], ids=["tag_exchange", "exchange_line"])
+def test_exchanges_of_different_sizes_end_in_the_order_error_on_every_rank(on_line) -> None:
     # A send whose receive has another size aborts the receiving process inside gloo;
     # the exchanges' tags keep such sends and receives from ever pairing up.
-    messages = dist_run(2, _uneven_gathers_rank, timeout_s=60)
+    messages = dist_run(2, _uneven_gathers_rank, on_line, timeout_s=60)
     for message in messages:
         assert "ranks issued different collectives" in message, message
         assert "rank 0: gather of 'unit 0' (8 elements)" in message, message

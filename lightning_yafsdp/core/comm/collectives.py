@@ -24,7 +24,12 @@ from torch.distributed import ProcessGroup, ReduceOp
 
 from lightning_yafsdp.core import compat
 from lightning_yafsdp.core.comm import step_timing
-from lightning_yafsdp.core.comm.pairwise import gather_pairwise, reduce_scatter_pairwise
+from lightning_yafsdp.core.comm.pairwise import (
+    broadcast_pairwise,
+    gather_pairwise,
+    reduce_pairwise,
+    reduce_scatter_pairwise,
+)
 from lightning_yafsdp.core.comm.work_list import WorkList
 
 if TYPE_CHECKING:
@@ -198,11 +203,13 @@ def all_gather_into(
     async_op: bool,
     stats: CommStats,
     channel: str = "gather",
-) -> dist.Work | None:
+    key: int | None = None,
+) -> dist.Work | WorkList | None:
     """Gather every rank's ``shard`` into ``output`` (rank order, back to back).
 
     ``channel``: on CPU, which tags the exchange uses ([Note: pairwise exchanges on
-    gloo]); the order guard's tags use their own.
+    gloo]); the order guard's tags use their own. ``key``: on CPU, the identity of the
+    exchange on an exchange line ([Note: exchange lines]), in its tags.
 
     [Note: version-preserving gather]
     ``output`` is a weight buffer that autograd may have saved views of in an
@@ -218,7 +225,7 @@ def all_gather_into(
         output.data.copy_(shard)
         return _DONE if async_op else None
     if shard.device.type == "cpu":  # [Note: pairwise exchanges on gloo]
-        exchange = gather_pairwise(output.data, shard.detach(), group, channel=channel)
+        exchange = gather_pairwise(output.data, shard.detach(), group, channel=channel, key=key)
         return _pairwise(exchange, async_op=async_op)
     return _issue(_all_gather_single, shard, output.data, shard, group=group, async_op=async_op)
 
@@ -230,12 +237,14 @@ def reduce_scatter_into(
     *,
     async_op: bool,
     stats: CommStats,
-) -> dist.Work | None:
+    key: int | None = None,
+) -> dist.Work | WorkList | None:
     """Sum ``full`` across ranks and keep this rank's contiguous part in ``output``.
 
     On CPU the reduction is a pairwise exchange ([Note: pairwise exchanges on gloo]):
     gloo's reduce_scatter is slower than its all_reduce, which moves twice the bytes.
     ``full`` (a grad buffer) must not be rewritten until the reduction is waited.
+    ``key``: as for ``all_gather_into``.
     """
     stats.add("reduce_scatter", full.numel() * full.element_size())
     if group.size() == 1:  # [Note: one rank copies]
@@ -246,7 +255,7 @@ def reduce_scatter_into(
             _reduce_scatter_single, full, output.data, full, op=ReduceOp.SUM, group=group,
             async_op=async_op,
         )  # fmt: skip
-    exchange = reduce_scatter_pairwise(output.data, full.detach(), group)
+    exchange = reduce_scatter_pairwise(output.data, full.detach(), group, key=key)
     return _pairwise(exchange, async_op=async_op)
 
 
@@ -291,26 +300,46 @@ def check_reduce_dtype(mesh: ShardMesh, device: torch.device, dtype: torch.dtype
 
 
 def broadcast_into(
-    tensor: torch.Tensor, src_rank: int, group: ProcessGroup, *, async_op: bool, stats: CommStats
-) -> dist.Work | None:
+    tensor: torch.Tensor,
+    src_rank: int,
+    group: ProcessGroup,
+    *,
+    async_op: bool,
+    stats: CommStats,
+    key: int | None = None,
+) -> dist.Work | WorkList | None:
     """Group rank ``src_rank``'s ``tensor`` into every rank's ``tensor`` (in place).
 
     Written through ``.data`` ([Note: version-preserving gather]): ``tensor`` is a
-    region of a weight buffer.
+    region of a weight buffer. ``key``: on an exchange line ([Note: exchange lines]),
+    sends and receives tagged with it.
     """
     stats.add("all_gather", tensor.numel() * tensor.element_size())
+    if key is not None and tensor.device.type == "cpu":
+        exchange = broadcast_pairwise(tensor.data, src_rank, group, key=key)
+        return _pairwise(exchange, async_op=async_op)
     src = dist.get_global_rank(group, src_rank)
     return _issue(dist.broadcast, tensor, tensor.data, src=src, group=group, async_op=async_op)
 
 
 def reduce_into(
-    tensor: torch.Tensor, dst_rank: int, group: ProcessGroup, *, async_op: bool, stats: CommStats
-) -> dist.Work | None:
+    tensor: torch.Tensor,
+    dst_rank: int,
+    group: ProcessGroup,
+    *,
+    async_op: bool,
+    stats: CommStats,
+    key: int | None = None,
+) -> dist.Work | WorkList | None:
     """The sum of every rank's ``tensor`` into group rank ``dst_rank``'s ``tensor`` (in place).
 
-    Other ranks' ``tensor`` may be overwritten (gloo uses it as scratch).
+    Other ranks' ``tensor`` may be overwritten (gloo uses it as scratch). ``key``: as
+    for ``broadcast_into``.
     """
     stats.add("reduce_scatter", tensor.numel() * tensor.element_size())
+    if key is not None and tensor.device.type == "cpu":
+        exchange = reduce_pairwise(tensor.detach(), dst_rank, group, key=key)
+        return _pairwise(exchange, async_op=async_op)
     dst = dist.get_global_rank(group, dst_rank)
     return _issue(
         dist.reduce, tensor, tensor, dst=dst, op=ReduceOp.SUM, group=group, async_op=async_op

@@ -15,11 +15,13 @@ complete, even when the collectives after them do not: every rank sees the
 same mismatch at the same collective and raises the same error, before the
 mismatched collective is waited and before any of its data is read.
 
-Cost: one extra tiny collective per unit collective (measured per step in
-tests/test_core_call_patterns.py). On CUDA the check reads the tags on the
-host at each wait, a sync that defeats the CPU run-ahead that gives prefetch,
-so there it is off unless asked for (``engine.verify_collective_order(True)``):
-turn it on to debug a hang.
+Cost: one extra tiny collective per unit collective. On CUDA the check reads the
+tags on the host at each wait, a sync that defeats the CPU run-ahead that gives
+prefetch, so there it is off unless asked for (``engine.verify_collective_order(True)``):
+turn it on to debug a hang. On CPU each tag exchange cost ~1 ms of CPU on 2 busy
+cores, so there the gathers and reductions are checked by their exchange line
+instead, with no traffic of its own ([Note: exchange lines], ``exchange_line.py``);
+this guard checks only hybrid sharding's replicate all_reduce on CPU.
 """
 
 from __future__ import annotations
@@ -122,10 +124,17 @@ class TagExchange:
             return
         lines = [f"  rank {r}: {guard.explain(row)}" for r, row in zip(self.ranks, rows)]
         raise CollectiveOrderError(
-            f"ranks issued different collectives (this rank, {dist.get_rank()}, issued the "
-            f"{self._kind} of '{self._unit}'):\n" + "\n".join(lines) + "\n"
-            "Every rank must call the same sharded units in the same order in each step; "
-            "they would otherwise exchange data of different units or hang. Per-rank "
-            "randomness that skips or reorders units (LayerDrop, routing around whole blocks) "
-            "must be drawn from a generator seeded identically on every rank."
+            order_error_message(f"the {self._kind} of '{self._unit}'", lines)
         )
+
+
+def order_error_message(this_rank_issued: str, lines: list[str]) -> str:
+    """The message of ``CollectiveOrderError``: what each rank issued, and the fix."""
+    return (
+        f"ranks issued different collectives (this rank, {dist.get_rank()}, issued "
+        f"{this_rank_issued}):\n" + "\n".join(lines) + "\n"
+        "Every rank must call the same sharded units in the same order in each step; "
+        "they would otherwise exchange data of different units or hang. Per-rank "
+        "randomness that skips or reorders units (LayerDrop, routing around whole blocks) "
+        "must be drawn from a generator seeded identically on every rank."
+    )

@@ -38,12 +38,22 @@ must raise a clean error instead. So the tag encodes a channel (gather, reductio
 the guard's own tags) and the bytes per peer: exchanges of different sizes never
 pair up; they wait while the guard's fixed-size tag exchange completes and raises
 on every rank. (Two sizes share a tag only when they differ by a multiple of
-512 MiB.) Sizes, dtypes and layouts are checked before anything is posted.
+512 MiB.) On an exchange line ([Note: exchange lines]) the tag hashes the bytes
+with the exchange's identity instead (its position on the line, the model, the
+kind, the group index, the elements), so that exchanges of different collectives
+do not pair up even at equal sizes, and the line's watch raises. Sizes, dtypes
+and layouts are checked before anything is posted.
+
+Row chunks' parts go on a line too: ``broadcast_pairwise`` (the owner sends its
+part to every peer) and ``reduce_pairwise`` (every peer sends its copy to the
+owner, which sums them in ring order from itself when waited).
 
 CUDA keeps NCCL's collectives, which are already pairwise rings on the GPU.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 from torch.distributed import ProcessGroup
@@ -55,19 +65,32 @@ _CHANNEL_TAGS = {"gather": 1 << 29, "reduce_scatter": 2 << 29, "order_guard": 3 
 _NBYTES_BITS = (1 << 29) - 1
 
 
-def exchange_tag(channel: str, nbytes: int) -> int:
-    """The gloo tag of an exchange: its channel and (most of) its bytes per peer."""
-    return _CHANNEL_TAGS[channel] | (nbytes & _NBYTES_BITS)
+def exchange_tag(channel: str, nbytes: int, key: int | None = None) -> int:
+    """The gloo tag of an exchange: its channel and (most of) its bytes per peer.
+
+    ``key``: the exchange's identity on an exchange line ([Note: exchange lines]),
+    hashed with the bytes instead, so that exchanges of different collectives never
+    pair up even at equal sizes.
+    """
+    if key is None:
+        return _CHANNEL_TAGS[channel] | (nbytes & _NBYTES_BITS)
+    return _CHANNEL_TAGS[channel] | (zlib.crc32(nbytes.to_bytes(8, "little"), key) & _NBYTES_BITS)
 
 
 def gather_pairwise(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, *, channel: str = "gather"
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    channel: str = "gather",
+    key: int | None = None,
 ) -> WorkList:
     """Every rank's ``shard`` into its slice of ``output`` (rank order), asynchronously.
 
     ``output`` is written through ``.data`` by the caller's contract
     ([Note: version-preserving gather]): pass ``output.data``. ``channel``: the
-    order guard's tags travel apart from the data ("order_guard").
+    order guard's tags travel apart from the data ("order_guard"). ``key``: see
+    ``exchange_tag``.
     """
     rank, world, numel = group.rank(), group.size(), shard.numel()
     _check_sizes("gather", output, shard, per_rank=numel, world=world)
@@ -75,7 +98,7 @@ def gather_pairwise(
         return WorkList([])
     slices = output.split(numel)
     slices[rank].copy_(shard)
-    tag = exchange_tag(channel, numel * shard.element_size())
+    tag = exchange_tag(channel, numel * shard.element_size(), key)
     works = []
     for peer in _peers(rank, world):
         works.append(group.send([shard], peer, tag))
@@ -84,12 +107,13 @@ def gather_pairwise(
 
 
 def reduce_scatter_pairwise(
-    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup
+    output: torch.Tensor, full: torch.Tensor, group: ProcessGroup, *, key: int | None = None
 ) -> WorkList:
     """The sum over ranks of this rank's chunk of ``full``, into ``output``, asynchronously.
 
     ``full`` must not be written until the exchange is waited (its chunks are being
     sent); ``output`` may be this rank's own chunk of ``full`` (a reduction in place).
+    ``key``: see ``exchange_tag``.
     """
     rank, world, numel = group.rank(), group.size(), output.numel()
     _check_sizes("reduce_scatter", full, output, per_rank=numel, world=world)
@@ -103,7 +127,7 @@ def reduce_scatter_pairwise(
     # first peer when the output is not our own chunk, scratch for the others.
     scratch = [torch.empty_like(mine) for _ in peers[0 if in_place else 1 :]]
     landing = scratch if in_place else [output, *scratch]
-    tag = exchange_tag("reduce_scatter", numel * full.element_size())
+    tag = exchange_tag("reduce_scatter", numel * full.element_size(), key)
     works = []
     for peer, into in zip(peers, landing):
         works.append(group.send([chunks[peer]], peer, tag))
@@ -117,6 +141,45 @@ def reduce_scatter_pairwise(
                 output.add_(received)
 
     return WorkList(works, then=sum_into_output)
+
+
+def broadcast_pairwise(
+    tensor: torch.Tensor, src: int, group: ProcessGroup, *, key: int
+) -> WorkList:
+    """Group rank ``src``'s ``tensor`` into every rank's ``tensor``, asynchronously: the
+    source sends it to each peer (a row chunk's part, on an exchange line)."""
+    rank, world = group.rank(), group.size()
+    if tensor.numel() == 0:
+        return WorkList([])
+    tag = exchange_tag("gather", tensor.numel() * tensor.element_size(), key)
+    if rank == src:
+        return WorkList([group.send([tensor], peer, tag) for peer in _peers(rank, world)])
+    return WorkList([group.recv([tensor], src, tag)])
+
+
+def reduce_pairwise(tensor: torch.Tensor, dst: int, group: ProcessGroup, *, key: int) -> WorkList:
+    """The sum over ranks of ``tensor`` into group rank ``dst``'s ``tensor``, asynchronously.
+
+    Each peer sends its copy to ``dst``, which sums them in ring order from itself when
+    the exchange is waited (as ``reduce_scatter_pairwise``). The peers' ``tensor`` must
+    not be written until waited.
+    """
+    rank, world = group.rank(), group.size()
+    if tensor.numel() == 0:
+        return WorkList([])
+    tag = exchange_tag("reduce_scatter", tensor.numel() * tensor.element_size(), key)
+    if rank != dst:
+        return WorkList([group.send([tensor], dst, tag)])
+    peers = _peers(rank, world)
+    received = [torch.empty_like(tensor) for _ in peers]
+    works = [group.recv([into], peer, tag) for peer, into in zip(peers, received)]
+
+    def sum_into_tensor() -> None:
+        with torch.no_grad():
+            for copy in received:
+                tensor.add_(copy)
+
+    return WorkList(works, then=sum_into_tensor)
 
 
 def _check_sizes(

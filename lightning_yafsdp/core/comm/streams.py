@@ -42,7 +42,9 @@ context, a second model), and an event waited on the wrong device's stream
 orders nothing.
 
 With an optional ``CollectiveOrderGuard`` (``order_guard.py``) each collective
-carries a tag exchange that is verified before the collective is waited.
+carries a tag exchange that is verified before the collective is waited. On CPU the
+gathers and reductions go on an exchange line instead (``exchange_line.py``), whose
+tags name each exchange and whose watch checks the order without a tag exchange.
 """
 
 from __future__ import annotations
@@ -56,11 +58,17 @@ import torch
 import torch.distributed as dist
 
 from lightning_yafsdp.core.comm import step_timing
+from lightning_yafsdp.core.comm.exchange_line import Exchange
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from lightning_yafsdp.core.comm.exchange_line import ExchangeLine
     from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard, TagExchange
 
-Launch = Callable[[bool], "dist.Work | None"]
+# ``launch(async_op, exchange)`` issues a collective; gathers and reductions go where
+# ``exchange`` says (an exchange line's group and tags on CPU, else the shard group).
+Launch = Callable[[bool, Exchange], "dist.Work | None"]
 
 
 @dataclass(frozen=True)
@@ -93,12 +101,14 @@ class PendingCollective:
         work=None,
         done_event=None,
         tag_exchange: TagExchange | None = None,
+        line: ExchangeLine | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._event = event
         self._work = work
         self._done_event = done_event
         self._tag_exchange = tag_exchange
+        self._line = line  # the exchange line the work is on (its wait is watched)
         self.waited = False
 
     @property
@@ -118,20 +128,24 @@ class PendingCollective:
             torch.cuda.current_stream(self._scheduler.device).wait_event(self._done_event)
             self._done_event = None  # record -> wait -> drop
         elif self._work is not None:
+            wait = self._work.wait if self._line is None else self._watched_wait
             if timing is None:
-                self._work.wait()
+                wait()
             else:
-                _timed_wait(timing, kind, self._work)
+                _timed_wait(timing, kind, self._work, wait)
             self._work = None
         self.waited = True
         self._scheduler.note(f"{kind}_wait", self._event.unit, self._event.slot)
 
+    def _watched_wait(self) -> None:
+        self._line.wait(self._work)
 
-def _timed_wait(timing: step_timing.StepTiming, kind: str, work) -> None:
-    """``work.wait()``, its blocked time counted as exposed ``kind`` communication."""
+
+def _timed_wait(timing: step_timing.StepTiming, kind: str, work, wait) -> None:
+    """``wait()`` of ``work``, its blocked time counted as exposed ``kind`` communication."""
     complete = work.is_completed()
     start = time.perf_counter()
-    work.wait()
+    wait()
     timing.add_wait(kind, time.perf_counter() - start, was_complete=complete)
 
 
@@ -192,19 +206,36 @@ class CommScheduler:
 
     Args:
         device: the device the engine's tensors live on.
+        group: where gathers and reductions go without an exchange line (the shard group).
         order_guard: checks before each collective that all ranks issue the
             same one (None: no check).
+
+    ``line`` (set by ``use_line``): the exchange line that CPU gathers and reductions go
+    on, in their order, as model number ``line_model`` ([Note: exchange lines]).
     """
 
-    def __init__(self, device: torch.device, *, order_guard: CollectiveOrderGuard | None = None):
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        group: ProcessGroup | None = None,
+        order_guard: CollectiveOrderGuard | None = None,
+    ) -> None:
         self.device = device
+        self.exchange = Exchange(group)
         self.order_guard = order_guard
+        self.line: ExchangeLine | None = None
+        self.line_model = 0
         self.uses_streams = device.type == "cuda"
         # The comm stream exists so collectives overlap compute; high priority
         # so that a ready collective is never queued behind compute kernels.
         self.comm_stream = torch.cuda.Stream(device, priority=-1) if self.uses_streams else None
         self._replicate_stream = None  # created by the first replicate all_reduce
         self.log: list[ScheduleEvent] | None = None
+
+    def use_line(self, line: ExchangeLine | None, model: int = 0) -> None:
+        """Issue CPU gathers and reductions on ``line`` as model ``model`` (None: don't)."""
+        self.line, self.line_model = line, model
 
     def note(self, op: str, unit: str, slot: int | None = None) -> None:
         """Append to the recorded schedule (no-op unless recording)."""
@@ -237,8 +268,9 @@ class CommScheduler:
             unit: unit name (for the log and profiler label).
             slot: buffer index (for the log).
             tag: ``(group index, elements)``: what every rank must be issuing
-                now (checked by the order guard, if any).
-            launch: ``launch(async_op)`` issues the collective.
+                now (checked by the exchange line or the order guard, if any).
+            launch: ``launch(async_op, exchange)`` issues the collective where
+                ``exchange`` says (group, tag key).
             after: compute event the collective must wait for (CUDA only).
         """
         timing = step_timing.active()
@@ -256,8 +288,7 @@ class CommScheduler:
             self.log.append(event)
         with torch.profiler.record_function(f"YaFSDP::{kind} ({unit})"):
             if not self.uses_streams:
-                exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
-                return PendingCollective(self, event, work=launch(True), tag_exchange=exchange)
+                return self._issue_on_host(kind, event, unit=unit, tag=tag, launch=launch)
             stream = self._stream_for(kind)
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 if after is not None:
@@ -265,10 +296,25 @@ class CommScheduler:
                 exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
                 # NCCL orders itself after the current (comm) stream and makes it
                 # wait for completion, so the done-event below marks completion.
-                launch(False)
+                launch(False, self.exchange)
                 done = torch.cuda.Event()
                 done.record(stream)
             return PendingCollective(self, event, done_event=done, tag_exchange=exchange)
+
+    def _issue_on_host(self, kind: str, event, *, unit, tag, launch: Launch):
+        """CPU: on the exchange line, if any (not the replicate all_reduce: gloo's own
+        collective on the replicate group, which keeps its tag exchange)."""
+        line = self.line
+        if line is not None and kind != "all_reduce":
+            work = line.issue(
+                launch, model=self.line_model, kind=kind, index=tag[0], numel=tag[1], unit=unit
+            )
+            return PendingCollective(self, event, work=work, line=line)
+        guard = self.order_guard
+        exchange = guard.start(kind, unit=unit, tag=tag) if guard else None
+        return PendingCollective(
+            self, event, work=launch(True, self.exchange), tag_exchange=exchange
+        )
 
     def issue_reduce(
         self,

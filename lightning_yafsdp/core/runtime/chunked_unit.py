@@ -279,20 +279,18 @@ class RowChunkUnit(ShardedUnit):
         if self.parent.frozen_rows:  # after the (empty) trainable part, from the frozen store
             source, out = self.frozen_shard, out[self.layout.padded_numel :]
 
-        def launch(async_op: bool):
+        def launch(async_op: bool, exchange):
             works = []
-            for part in self.chunk.transfers:
+            for index, part in enumerate(self.chunk.transfers):
                 region = out[part.chunk_offset : part.chunk_offset + part.numel]
                 if part.rank == me:
                     region.copy_(source[part.shard_offset : part.shard_offset + part.numel])
+                on = exchange.part(index)
                 works.append(
                     broadcast_into(
-                        region,
-                        part.rank,
-                        ctx.shard_group,
-                        async_op=async_op,
-                        stats=ctx.comm_stats,
-                    )
+                        region, part.rank, on.group, async_op=async_op, stats=ctx.comm_stats,
+                        key=on.key,
+                    )  # fmt: skip
                 )
             return WorkList(works) if async_op else None
 
@@ -311,16 +309,17 @@ class RowChunkUnit(ShardedUnit):
             for target, source in zip(window, in_buffer, strict=True):
                 target.copy_(source)
 
-        def launch(async_op: bool):
+        def launch(async_op: bool, exchange):
             works = [
                 reduce_into(
                     full[part.chunk_offset : part.chunk_offset + part.numel],
                     part.rank,
-                    ctx.shard_group,
+                    exchange.part(index).group,
                     async_op=async_op,
                     stats=ctx.comm_stats,
+                    key=exchange.part(index).key,
                 )
-                for part in self._reduced_parts
+                for index, part in enumerate(self._reduced_parts)
             ]
             then = copy_out if window is not None else None
             if async_op:
@@ -357,4 +356,6 @@ class RowChunkUnit(ShardedUnit):
             return None
         launches = [self.context.replicate(part) for part in owned]
         # No part: this shard rank owns none of the chunk, nor do its replicas.
-        return lambda async_op: WorkList([launch(async_op) for launch in launches])
+        return lambda async_op, exchange: WorkList(
+            [launch(async_op, exchange) for launch in launches]
+        )

@@ -31,7 +31,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -49,10 +48,8 @@ from lightning_yafsdp.core.comm.collectives import (
 )
 from lightning_yafsdp.core.comm.mesh import ShardMesh
 from lightning_yafsdp.core.comm.step_timing import timed_hook
-from lightning_yafsdp.core.comm.streams import CommScheduler, PendingReduce
+from lightning_yafsdp.core.comm.streams import CommScheduler, Launch, PendingReduce
 from lightning_yafsdp.core.optim.grads import ShardGrads
-
-Launch = Callable[[bool], Any]
 
 
 class StepPhase(enum.Enum):
@@ -105,7 +102,7 @@ class StepContext:
         cast_forward_inputs: bool,
         master_dtype: torch.dtype,
     ) -> None:
-        self.scheduler = CommScheduler(device)
+        self.scheduler = CommScheduler(device, group=mesh.shard_group)
         self.comm_stats = CommStats()
         self.shard_group, self.shard_rank = mesh.shard_group, mesh.shard_rank
         self.replicate_group = mesh.replicate_group
@@ -160,16 +157,18 @@ class StepContext:
     # -- the reduction queue -----------------------------------------------------------
 
     def reduce_scatter(self, full: torch.Tensor, reduced: torch.Tensor) -> Launch:
-        """The launch of a reduce-scatter of ``full`` into ``reduced`` (the shard group)."""
-        return lambda async_op: reduce_scatter_into(
-            reduced, full, self.shard_group, async_op=async_op, stats=self.comm_stats
-        )
+        """The launch of a reduce-scatter of ``full`` into ``reduced`` (the shard group's
+        ranks: on CPU, the exchange line's group)."""
+        return lambda async_op, exchange: reduce_scatter_into(
+            reduced, full, exchange.group, async_op=async_op, stats=self.comm_stats,
+            key=exchange.key,
+        )  # fmt: skip
 
     def replicate(self, reduced: torch.Tensor) -> Launch | None:
         """The launch of the all_reduce of ``reduced`` across replicas; None when flat."""
         if self.replicate_group is None:
             return None
-        return lambda async_op: replicate_all_reduce(
+        return lambda async_op, _exchange: replicate_all_reduce(
             reduced, self.replicate_group, async_op=async_op, stats=self.comm_stats
         )
 

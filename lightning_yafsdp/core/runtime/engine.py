@@ -18,6 +18,7 @@ from torch.distributed import ReduceOp
 
 from lightning_yafsdp.core.comm.buffers import GatherStaging
 from lightning_yafsdp.core.comm.collectives import all_reduce_
+from lightning_yafsdp.core.comm.exchange_line import exchange_line_for
 from lightning_yafsdp.core.comm.mesh import ShardMesh
 from lightning_yafsdp.core.comm.order_guard import CollectiveOrderGuard
 from lightning_yafsdp.core.comm.step_timing import timed_hook
@@ -124,6 +125,12 @@ class YaFSDPEngine:
         self.weight_buffers, self.grad_buffers = ctx.weight_buffers, ctx.grad_buffers
         self.gather_staging = ctx.gather_staging
         self.unit_grads, self.norm_grads = grads
+        # [Note: exchange lines] on CPU: the gathers and reductions of every engine of this
+        # process over the shard group go on one line, in order, this engine as ``model``.
+        self._line, self._line_model = None, 0
+        if device.type != "cuda" and mesh.shard_size > 1:
+            self._line = exchange_line_for(mesh.shard_group)
+            self._line_model = self._line.join()
         # [Note: collective order guard] on by default where it is cheap (CPU).
         self.verify_collective_order(device.type != "cuda")
         # The units in schedule order (the context's list) and every parameter group once,
@@ -204,11 +211,15 @@ class YaFSDPEngine:
         self._weights_stale = True
 
     def verify_collective_order(self, enabled: bool = True) -> None:
-        """Check before every collective that all ranks issue the same one (see order_guard.py).
+        """Check that all ranks issue the same collectives in the same order.
 
-        Default: on for CPU (gloo) models, off for CUDA, where the check costs a
-        host sync per collective. A mismatch raises ``CollectiveOrderError`` on
-        every rank instead of hanging or exchanging shards of different units.
+        Default: on for CPU (gloo) models, off for CUDA. On CPU the gathers and
+        reductions go on the exchange line, which checks their order without traffic
+        of its own ([Note: exchange lines]); the replicate all_reduce of a hybrid mesh,
+        and every collective on CUDA, exchange a tag first ([Note: collective order
+        guard]; a host sync per collective on CUDA). A mismatch raises
+        ``CollectiveOrderError`` on every rank instead of hanging or exchanging shards
+        of different units.
         """
         units = self.context.order
 
@@ -217,9 +228,11 @@ class YaFSDPEngine:
                 return units[index].name
             return {-1: "<root>", -2: "<norms>"}.get(index, f"group {index}")
 
+        self.scheduler.use_line(self._line if enabled else None, self._line_model)
+        on_cpu_flat = self._line is not None and self.replicate_group is None
         self.scheduler.order_guard = (
             CollectiveOrderGuard(self.mesh, device=self.device, describe=describe)
-            if enabled
+            if enabled and not on_cpu_flat
             else None
         )
 

@@ -93,9 +93,10 @@ class ResidentGroup(FlatParamGroup):
             unit=self.name,
             slot=None,
             tag=(self.guard_index, self.layout.padded_numel),
-            launch=lambda async_op: all_gather_into(
-                buffer.tensor, source, ctx.shard_group, async_op=async_op, stats=ctx.comm_stats
-            ),
+            launch=lambda async_op, exchange: all_gather_into(
+                buffer.tensor, source, exchange.group, async_op=async_op, stats=ctx.comm_stats,
+                key=exchange.key,
+            ),  # fmt: skip
             after=after,
         )
 

@@ -178,11 +178,12 @@ class ShardedUnit(FlatParamGroup):
             frozen_end = padded + self.frozen_layout.padded_numel
             pieces.append((buffer.tensor[padded:frozen_end], self.frozen_shard))
 
-        def launch(async_op: bool):
+        def launch(async_op: bool, exchange):
             works = [
                 all_gather_into(
-                    out, shard, ctx.shard_group, async_op=async_op, stats=ctx.comm_stats
-                )
+                    out, shard, exchange.group, async_op=async_op, stats=ctx.comm_stats,
+                    key=exchange.key,
+                )  # fmt: skip
                 for out, shard in pieces
             ]
             return WorkList(works) if async_op else None
