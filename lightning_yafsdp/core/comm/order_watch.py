@@ -11,18 +11,17 @@ import atexit
 import json
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from lightning_yafsdp.core.comm.order_guard import order_error_message
 from lightning_yafsdp.core.comm.pairwise import exchange_tag
-
-if TYPE_CHECKING:
-    from lightning_yafsdp.core.comm.exchange_line import ExchangeLine
 
 _STALL_S = 1.0  # a wait blocked this long is compared with the peers' logs
 _POLL_S = 0.25  # how often the watch looks at the line
@@ -33,11 +32,21 @@ _MESSAGE_WAIT_S = 1.5  # proven: how long the other peers' logs may take to name
 _CLOSING_TAG = exchange_tag("order_guard", 0)
 
 
+class WatchedLine(Protocol):
+    """What the watch reads and sets of its line (``ExchangeLine``)."""
+
+    group: ProcessGroup
+    ranks: list[int]
+    log: Iterable[tuple]
+    blocked_since: float | None
+    divergence: str | None
+
+
 class OrderWatch:
     """A daemon thread that compares logs when its line's wait stalls, and closes the
     line on proof; also the same comparison for a wait that failed under its rank."""
 
-    def __init__(self, line: ExchangeLine, store: dist.Store) -> None:
+    def __init__(self, line: WatchedLine, store: dist.Store) -> None:
         self._line = line
         self._store = store
         self._stop = threading.Event()

@@ -33,6 +33,16 @@ from lightning_yafsdp.core.runtime.resident import ResidentGroup
 from lightning_yafsdp.core.runtime.unit import ShardedUnit
 
 
+def _join_exchange_line(mesh: ShardMesh, device: torch.device) -> tuple:
+    """``(line, model)``: on CPU the gathers and reductions of every engine of this process
+    over the shard group's ranks go on one line, in order, this engine as ``model``
+    ([Note: exchange lines]); ``(None, 0)`` on CUDA or for a shard group of one rank."""
+    if device.type == "cuda" or mesh.shard_size == 1:
+        return None, 0
+    line = exchange_line_for(mesh.shard_group)
+    return line, line.join()
+
+
 @dataclass(frozen=True)
 class ParamShard:
     """The part of one original parameter that this rank owns.
@@ -125,14 +135,8 @@ class YaFSDPEngine:
         self.weight_buffers, self.grad_buffers = ctx.weight_buffers, ctx.grad_buffers
         self.gather_staging = ctx.gather_staging
         self.unit_grads, self.norm_grads = grads
-        # [Note: exchange lines] on CPU: the gathers and reductions of every engine of this
-        # process over the shard group go on one line, in order, this engine as ``model``.
-        self._line, self._line_model = None, 0
-        if device.type != "cuda" and mesh.shard_size > 1:
-            self._line = exchange_line_for(mesh.shard_group)
-            self._line_model = self._line.join()
-        # [Note: collective order guard] on by default where it is cheap (CPU).
-        self.verify_collective_order(device.type != "cuda")
+        self._line, self._line_model = _join_exchange_line(mesh, device)
+        self.verify_collective_order(device.type != "cuda")  # on by default where cheap (CPU)
         # The units in schedule order (the context's list) and every parameter group once,
         # in master order: the unit groups, then the resident groups.
         self.units: list[ShardedUnit] = ctx.order
