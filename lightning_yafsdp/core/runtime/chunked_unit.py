@@ -310,17 +310,16 @@ class RowChunkUnit(ShardedUnit):
                 target.copy_(source)
 
         def launch(async_op: bool, exchange):
-            works = [
-                reduce_into(
-                    full[part.chunk_offset : part.chunk_offset + part.numel],
-                    part.rank,
-                    exchange.part(index).group,
-                    async_op=async_op,
-                    stats=ctx.comm_stats,
-                    key=exchange.part(index).key,
+            works = []
+            for index, part in enumerate(self._reduced_parts):
+                on = exchange.part(index)
+                region = full[part.chunk_offset : part.chunk_offset + part.numel]
+                works.append(
+                    reduce_into(
+                        region, part.rank, on.group, async_op=async_op, stats=ctx.comm_stats,
+                        key=on.key,
+                    )  # fmt: skip
                 )
-                for index, part in enumerate(self._reduced_parts)
-            ]
             then = copy_out if window is not None else None
             if async_op:
                 return WorkList(works, then=then)
